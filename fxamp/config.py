@@ -1,0 +1,277 @@
+"""Apex opt levels as a frozen, validated, hashable configuration.
+
+`AmpConfig.from_opt_level("O2", keep_batchnorm_fp32=False)` reproduces `apex.amp.initialize`'s
+property table and its override checks. A config is complete once `resolve(device_type)` has
+filled in the defaults that depend on the device (the low-precision dtype and the op-policy
+preset); only resolved configs reach the graph passes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Literal, Mapping, Optional, Union
+
+import torch
+
+from fxamp.errors import ConfigError
+
+__all__ = ["AmpConfig", "OPT_LEVELS", "POLICY_PRESETS", "OpPolicy"]
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+POLICY_PRESETS = ("torch-cuda", "torch-cpu", "apex")
+LOW_DTYPES = (torch.float16, torch.bfloat16)
+
+# What a user may ask for one op or one module: run it in the low dtype, in fp32, in the widest
+# input type, or leave it exactly as traced.
+OpPolicy = Literal["lower", "fp32", "promote", "keep"]
+OP_POLICY_CHOICES = ("lower", "fp32", "promote", "keep")
+
+# Apex's table (../shared/reference/AMP_SEMANTICS.md). `None` for cast_model_type means
+# "the low-precision dtype" for O2/O3; O0 casts to fp32; O1 leaves the weights alone.
+_PRESETS: dict[str, dict[str, Any]] = {
+    "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False,
+               keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),
+    "O1": dict(cast_model_type=None, patch_torch_functions=True,
+               keep_batchnorm_fp32=None, master_weights=None, loss_scale="dynamic"),
+    "O2": dict(cast_model_type="low", patch_torch_functions=False,
+               keep_batchnorm_fp32=True, master_weights=True, loss_scale="dynamic"),
+    "O3": dict(cast_model_type="low", patch_torch_functions=False,
+               keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
+}
+
+_DTYPE_NAMES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}
+
+
+def _as_dtype(value: Any, what: str, allowed: tuple[torch.dtype, ...]) -> torch.dtype:
+    dtype = _DTYPE_NAMES.get(value, value) if isinstance(value, str) else value
+    if dtype not in allowed:
+        names = ", ".join(str(d) for d in allowed)
+        raise ConfigError(f"{what}={value!r} is not one of {names}")
+    return dtype
+
+
+def _as_bool(value: Any, what: str) -> bool:
+    # Apex accepts the strings "True"/"False" because its launch scripts pass argv through.
+    if isinstance(value, bool):
+        return value
+    if value in ("True", "False"):
+        return value == "True"
+    raise ConfigError(f"{what}={value!r} must be True, False, 'True' or 'False'")
+
+
+def _as_loss_scale(value: Any) -> Union[float, str]:
+    if value == "dynamic":
+        return "dynamic"
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"loss_scale={value!r} must be a positive number, a numeric string or 'dynamic'"
+        ) from None
+    if not scale > 0 or scale == float("inf"):
+        raise ConfigError(f"loss_scale={value!r} must be a positive finite number or 'dynamic'")
+    return scale
+
+
+def check_opt_level(opt_level: Any) -> str:
+    if opt_level in OPT_LEVELS:
+        return opt_level
+    hint = ""
+    if isinstance(opt_level, str) and opt_level.upper().replace("0", "O", 1) in OPT_LEVELS:
+        hint = " (the prefix is the letter O, not the number zero, in upper case)"
+    raise ConfigError(f"opt_level {opt_level!r} is not one of 'O0', 'O1', 'O2', 'O3'{hint}")
+
+
+@dataclasses.dataclass(frozen=True)
+class AmpConfig:
+    """Everything the fxamp passes and optimizers need to know, validated at construction.
+
+    Build one with `AmpConfig.from_opt_level`; the constructor takes already-resolved values.
+
+    Attributes:
+        opt_level: "O0" … "O3".
+        dtype: the low-precision dtype (float16 or bfloat16); None until `resolve` picks the
+            device default (float16 on CUDA, bfloat16 on CPU).
+        cast_model_type: the dtype parameters and buffers are stored in, or None to leave them.
+        patch_torch_functions: O1's per-op casting (kept under Apex's name).
+        keep_batchnorm_fp32: O2/O3: keep BatchNorm parameters, buffers and math in fp32.
+        master_weights: keep fp32 master copies of low-precision parameters in the optimizer.
+        loss_scale: a positive number or "dynamic".
+        cast_model_outputs: dtype floating outputs are cast to; None means fp32 at O2/O3 and
+            unchanged at O0/O1.
+        policy: op-table preset, "torch-cuda", "torch-cpu" or "apex"; None picks the torch
+            preset of the device.
+        op_overrides: (op, policy) pairs; op is an ATen overload or packet name like
+            "aten.softmax" or "aten.softmax.int".
+        module_overrides: (module-path pattern or module class name, policy) pairs.
+        min_loss_scale, max_loss_scale, num_losses: loss-scaler settings (Apex names).
+    """
+
+    opt_level: str = "O1"
+    dtype: Optional[torch.dtype] = None
+    cast_model_type: Optional[torch.dtype] = None
+    patch_torch_functions: bool = True
+    keep_batchnorm_fp32: Optional[bool] = None
+    master_weights: Optional[bool] = None
+    loss_scale: Union[float, str] = "dynamic"
+    cast_model_outputs: Optional[torch.dtype] = None
+    policy: Optional[str] = None
+    op_overrides: tuple[tuple[str, str], ...] = ()
+    module_overrides: tuple[tuple[str, str], ...] = ()
+    min_loss_scale: Optional[float] = None
+    max_loss_scale: float = 2.0**24
+    num_losses: int = 1
+
+    def __post_init__(self) -> None:
+        check_opt_level(self.opt_level)
+        if self.dtype is not None:
+            _as_dtype(self.dtype, "dtype", LOW_DTYPES)
+        if self.policy is not None and self.policy not in POLICY_PRESETS:
+            raise ConfigError(f"policy={self.policy!r} is not one of {', '.join(POLICY_PRESETS)}")
+        for what, pairs in (("op_overrides", self.op_overrides),
+                            ("module_overrides", self.module_overrides)):
+            for key, choice in pairs:
+                if choice not in OP_POLICY_CHOICES:
+                    raise ConfigError(
+                        f"{what}[{key!r}]={choice!r} is not one of {', '.join(OP_POLICY_CHOICES)}"
+                    )
+        if not isinstance(self.num_losses, int) or self.num_losses < 1:
+            raise ConfigError(f"num_losses={self.num_losses!r} must be a positive int")
+        self._check_apex_overrides()
+
+    def _check_apex_overrides(self) -> None:
+        level = self.opt_level
+        if level == "O1":
+            if self.cast_model_type not in (None, torch.float32):
+                raise ConfigError(
+                    f"O1 inserts casts around ops rather than casting the model weights, so "
+                    f"cast_model_type={self.cast_model_type} is not allowed with O1; "
+                    "use O2 or O3 to store the model in a low-precision dtype"
+                )
+            if self.keep_batchnorm_fp32 is not None:
+                raise ConfigError(
+                    "keep_batchnorm_fp32 cannot be set with O1: O1 leaves all weights in fp32 "
+                    "and the op tables already decide batch_norm's dtype"
+                )
+            if self.master_weights is not None:
+                raise ConfigError(
+                    "master_weights cannot be set with O1: O1 keeps the model's weights in "
+                    "fp32, so they are their own master weights"
+                )
+        elif self.patch_torch_functions:
+            raise ConfigError(
+                f"patch_torch_functions=True (per-op casting) is only valid with O1, not {level}"
+            )
+        if self.cast_model_type in LOW_DTYPES and self.dtype not in (None, self.cast_model_type):
+            raise ConfigError(
+                f"cast_model_type={self.cast_model_type} conflicts with dtype={self.dtype}: "
+                "the model is stored in the dtype it computes in"
+            )
+
+    @classmethod
+    def from_opt_level(
+        cls,
+        opt_level: str = "O1",
+        *,
+        dtype: Any = None,
+        cast_model_type: Any = None,
+        patch_torch_functions: Optional[bool] = None,
+        keep_batchnorm_fp32: Any = None,
+        master_weights: Optional[bool] = None,
+        loss_scale: Any = None,
+        cast_model_outputs: Any = None,
+        policy: Optional[str] = None,
+        op_overrides: Optional[Mapping[Any, str]] = None,
+        module_overrides: Optional[Mapping[Any, str]] = None,
+        min_loss_scale: Optional[float] = None,
+        max_loss_scale: float = 2.0**24,
+        num_losses: int = 1,
+    ) -> "AmpConfig":
+        """The preset of an Apex opt level with Apex-style overrides (any non-None value wins).
+
+        Raises:
+            ConfigError: for an unknown level or an override that Apex refuses, with the
+                reason and the valid choices in the message.
+        """
+        preset = dict(_PRESETS[check_opt_level(opt_level)])
+        low = None if dtype is None else _as_dtype(dtype, "dtype", LOW_DTYPES)
+        if cast_model_type is not None:
+            preset["cast_model_type"] = _as_dtype(
+                cast_model_type, "cast_model_type", (torch.float32, *LOW_DTYPES))
+            if low is None and preset["cast_model_type"] in LOW_DTYPES:
+                low = preset["cast_model_type"]
+        elif opt_level == "O1":
+            preset["cast_model_type"] = None
+        if patch_torch_functions is not None:
+            preset["patch_torch_functions"] = _as_bool(patch_torch_functions,
+                                                       "patch_torch_functions")
+        if keep_batchnorm_fp32 is not None:
+            preset["keep_batchnorm_fp32"] = _as_bool(keep_batchnorm_fp32, "keep_batchnorm_fp32")
+        if master_weights is not None:
+            preset["master_weights"] = _as_bool(master_weights, "master_weights")
+        if loss_scale is not None:
+            preset["loss_scale"] = _as_loss_scale(loss_scale)
+        if preset["cast_model_type"] == "low":
+            preset["cast_model_type"] = low  # filled in by resolve() when still None
+        if opt_level == "O1":
+            # Apex compares the *override*, not the preset value, for these two.
+            preset["keep_batchnorm_fp32"] = keep_batchnorm_fp32
+            preset["master_weights"] = master_weights
+        return cls(
+            opt_level=opt_level,
+            dtype=low,
+            cast_model_outputs=None if cast_model_outputs is None else _as_dtype(
+                cast_model_outputs, "cast_model_outputs", (torch.float32, *LOW_DTYPES)),
+            policy=policy,
+            op_overrides=_freeze_overrides(op_overrides),
+            module_overrides=_freeze_overrides(module_overrides),
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            num_losses=num_losses,
+            **preset,
+        )
+
+    @property
+    def is_resolved(self) -> bool:
+        return self.dtype is not None and self.policy is not None
+
+    def resolve(self, device_type: str) -> "AmpConfig":
+        """Fill in the device defaults: fp16 + the torch-cuda preset on CUDA, bf16 +
+        torch-cpu on CPU (and on other devices)."""
+        dtype = self.dtype or (torch.float16 if device_type == "cuda" else torch.bfloat16)
+        policy = self.policy or ("torch-cuda" if device_type == "cuda" else "torch-cpu")
+        cast_model_type = self.cast_model_type
+        if self.opt_level in ("O2", "O3") and cast_model_type is None:
+            cast_model_type = dtype
+        return dataclasses.replace(self, dtype=dtype, policy=policy,
+                                   cast_model_type=cast_model_type)
+
+    @property
+    def output_dtype(self) -> Optional[torch.dtype]:
+        """dtype floating model outputs are cast to, or None to leave them."""
+        if self.cast_model_outputs is not None:
+            return self.cast_model_outputs
+        return torch.float32 if self.opt_level in ("O2", "O3") else None
+
+    def cache_key(self) -> str:
+        """A digest that is stable across processes (dtype objects hash by id)."""
+        fields = ((f.name, str(getattr(self, f.name))) for f in dataclasses.fields(self))
+        return hashlib.sha256(repr(tuple(fields)).encode()).hexdigest()[:16]
+
+
+def _freeze_overrides(overrides: Optional[Mapping[Any, str]]) -> tuple[tuple[str, str], ...]:
+    if not overrides:
+        return ()
+    items = []
+    for key, choice in overrides.items():
+        if isinstance(key, type):
+            key = key.__name__
+        elif not isinstance(key, str):
+            key = str(key)  # an OpOverload / OpOverloadPacket prints as "aten.softmax.int"
+        items.append((key, choice))
+    return tuple(sorted(items))

@@ -1,0 +1,15 @@
+"""Exceptions raised by fxamp. Every message names the bad value and what would be valid."""
+
+__all__ = ["ConfigError", "FxampError", "BannedOpError"]
+
+
+class ConfigError(ValueError):
+    """A bad opt level, override, dtype or argument combination (raised before anything changes)."""
+
+
+class FxampError(RuntimeError):
+    """A graph pass could not handle a node; the message names the pass and the node."""
+
+
+class BannedOpError(FxampError):
+    """An op that is unsafe in the low-precision dtype; the message names the safe alternative."""
