@@ -110,6 +110,7 @@ class AmpConfig:
             "aten.softmax" or "aten.softmax.int".
         module_overrides: (module-path pattern or module class name, policy) pairs.
         min_loss_scale, max_loss_scale, num_losses: loss-scaler settings (Apex names).
+        device_type: the compute device ("cpu", "cuda"); only its tensors are cast.
     """
 
     opt_level: str = "O1"
@@ -126,6 +127,7 @@ class AmpConfig:
     min_loss_scale: Optional[float] = None
     max_loss_scale: float = 2.0**24
     num_losses: int = 1
+    device_type: Optional[str] = None
 
     def __post_init__(self) -> None:
         check_opt_level(self.opt_level)
@@ -238,7 +240,7 @@ class AmpConfig:
 
     @property
     def is_resolved(self) -> bool:
-        return self.dtype is not None and self.policy is not None
+        return None not in (self.dtype, self.policy, self.device_type)
 
     def resolve(self, device_type: str) -> "AmpConfig":
         """Fill in the device defaults: fp16 + the torch-cuda preset on CUDA, bf16 +
@@ -248,7 +250,7 @@ class AmpConfig:
         cast_model_type = self.cast_model_type
         if self.opt_level in ("O2", "O3") and cast_model_type is None:
             cast_model_type = dtype
-        return dataclasses.replace(self, dtype=dtype, policy=policy,
+        return dataclasses.replace(self, dtype=dtype, policy=policy, device_type=device_type,
                                    cast_model_type=cast_model_type)
 
     @property

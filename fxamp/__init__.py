@@ -1,0 +1,22 @@
+"""fxamp: Apex-style automatic mixed precision for PyTorch 2, as FX graph passes."""
+
+from fxamp.backend import FxampBackend, backend, compile, config_of
+from fxamp.config import AmpConfig
+from fxamp.errors import BannedOpError, ConfigError, FxampError
+from fxamp.policy import CastPolicy
+from fxamp.explain import Explanation, explain
+
+__all__ = [
+    "AmpConfig",
+    "BannedOpError",
+    "CastPolicy",
+    "Explanation",
+    "explain",
+    "ConfigError",
+    "FxampBackend",
+    "FxampError",
+    "backend",
+    "compile",
+    "config_of",
+]
+__version__ = "0.1.0"

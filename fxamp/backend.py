@@ -1,0 +1,187 @@
+"""The torch.compile backend that runs fxamp's passes, and `fxamp.compile` on top of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from fxamp.cast_model import cast_model
+from fxamp.config import AmpConfig
+from fxamp.errors import ConfigError
+from fxamp.passes import PassStats, run_passes
+from fxamp.passes.capture import fake_inputs, to_aten
+from fxamp.rules import check_op_override_keys
+
+__all__ = ["FxampBackend", "backend", "compile", "config_of", "CompiledGraph"]
+
+log = logging.getLogger(__name__)
+
+Compiler = Union[str, Callable[[fx.GraphModule, Sequence[Any]], Callable]]
+_CONFIG_ATTR = "_fxamp_config"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledGraph:
+    """One graph the backend transformed: the ATen graph after the passes, and what they did."""
+
+    graph_module: fx.GraphModule
+    stats: PassStats
+    config: AmpConfig
+
+
+def _device_type(example_inputs: Sequence[Any]) -> str:
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    floating = [t for t in tensors if t.is_floating_point()]
+    return (floating or tensors)[0].device.type if tensors else "cpu"
+
+
+def _inner_compiler(compiler: Compiler, mode: Optional[str], options: Optional[dict]):
+    if callable(compiler):
+        return compiler
+    if compiler == "inductor":
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+        return lambda gm, inputs: compile_fx(gm, inputs, config_patches=patches or None)
+    if compiler in ("aot_eager", "eager"):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        return aot_eager
+    raise ConfigError(f"compiler={compiler!r} is not one of 'inductor', 'aot_eager' or a callable")
+
+
+class FxampBackend:
+    """A `torch.compile` backend: Dynamo graph -> ATen -> fxamp passes -> inner compiler.
+
+    Args:
+        config: the (possibly unresolved) AmpConfig; the device defaults are resolved from
+            the first graph's inputs.
+        compiler: "inductor" (default), "aot_eager", or any backend callable.
+        mode: an Inductor mode ("reduce-overhead", "max-autotune", ...).
+        options: Inductor config patches, as `torch.compile(options=...)` takes them.
+
+    Instances remember the graphs they transformed in `compiled_graphs` (for explain()).
+    Two backends compare equal only when config and compiler settings are equal, so a
+    changed policy never reuses a stale compiled graph.
+    """
+
+    def __init__(self, config: AmpConfig, *, compiler: Compiler = "inductor",
+                 mode: Optional[str] = None, options: Optional[dict] = None):
+        check_op_override_keys(config)
+        self.config = config
+        self._key = (config.cache_key(), compiler if isinstance(compiler, str) else id(compiler),
+                     mode, tuple(sorted((options or {}).items())))
+        self._inner = _inner_compiler(compiler, mode, options)
+        self.compiled_graphs: list[CompiledGraph] = []
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, FxampBackend) and other._key == self._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"FxampBackend({self.config.opt_level}, key={self._key[0]})"
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
+        config = self.config
+        if not config.is_resolved:
+            config = config.resolve(config.device_type or _device_type(example_inputs))
+        fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+        aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
+        stats = run_passes(aten_gm, config, fake_mode)
+        self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config))
+        log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
+        return self._inner(aten_gm, example_inputs)
+
+
+def backend(opt_level: str = "O1", *, compiler: Compiler = "inductor", mode: Optional[str] = None,
+            options: Optional[dict] = None, **overrides: Any) -> FxampBackend:
+    """A `torch.compile` backend applying an Apex opt level as graph passes.
+
+    Example:
+        >>> model = torch.compile(model, backend=fxamp.backend(opt_level="O1"))
+
+    The backend casts ops and graph inputs; it cannot change how parameters are stored, so
+    at O2/O3 fp32 parameters are cast at each use. `fxamp.compile` also stores them in the
+    low dtype (the memory saving of O2/O3).
+
+    Args:
+        opt_level: "O0", "O1", "O2" or "O3".
+        compiler, mode, options: see `FxampBackend`.
+        **overrides: `AmpConfig.from_opt_level` keywords (dtype, keep_batchnorm_fp32,
+            op_overrides, module_overrides, policy, cast_model_outputs, ...).
+    """
+    return FxampBackend(AmpConfig.from_opt_level(opt_level, **overrides), compiler=compiler,
+                        mode=mode, options=options)
+
+
+def _check_model(model: Any) -> torch.device:
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"fxamp.compile takes an nn.Module, not {type(model).__name__}")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ConfigError("model is already wrapped in DistributedDataParallel: call "
+                          "fxamp.compile first and wrap the result in DDP afterwards")
+    if getattr(model, _CONFIG_ATTR, None) is not None:
+        raise ConfigError("model was already prepared by fxamp.compile "
+                          f"({getattr(model, _CONFIG_ATTR).opt_level}); compile it once")
+    tensors = list(model.parameters()) + list(model.buffers())
+    floating = [t for t in tensors if t.is_floating_point()]
+    if not floating:
+        raise ConfigError(f"{type(model).__name__} has no floating-point parameters or buffers:"
+                          " fxamp only changes floating-point computation")
+    return floating[0].device
+
+
+def compile(model: torch.nn.Module, *, opt_level: str = "O1", config: Optional[AmpConfig] = None,
+            enabled: bool = True, compiler: Compiler = "inductor", mode: Optional[str] = None,
+            options: Optional[dict] = None, dynamic: Optional[bool] = None,
+            fullgraph: bool = False, **overrides: Any) -> torch.nn.Module:
+    """Apply an Apex opt level to `model` as compiler passes and compile it with Inductor.
+
+    Like `apex.amp.initialize`, this prepares the model in place and returns it: at O0 the
+    parameters are stored in fp32, at O2/O3 in the low dtype (O2 keeps BatchNorm, and any
+    module overridden to fp32, in fp32), and `model.compile(backend=fxamp.backend(...))`
+    makes every call run the transformed graph.
+
+    Args:
+        model: a module with floating-point parameters, not yet wrapped in DDP.
+        opt_level: "O0", "O1", "O2" or "O3" (letter O).
+        config: a ready AmpConfig instead of opt_level + overrides.
+        enabled: False returns `model` untouched.
+        compiler, mode, options: the inner compiler and Inductor's mode / options.
+        dynamic, fullgraph: passed to torch.compile.
+        **overrides: `AmpConfig.from_opt_level` keywords: dtype, keep_batchnorm_fp32,
+            cast_model_type, master_weights, loss_scale, cast_model_outputs, policy,
+            op_overrides, module_overrides, ...
+
+    Returns:
+        The same module object, compiled.
+
+    Raises:
+        ConfigError: for a bad level, override or model; the model is then left unchanged.
+    """
+    if config is not None and (overrides or opt_level != "O1"):
+        raise ConfigError("pass either config= or opt_level= with overrides, not both")
+    config = config or AmpConfig.from_opt_level(opt_level, **overrides)
+    check_op_override_keys(config)
+    if not enabled:
+        return model
+    device = _check_model(model)
+    config = config.resolve(config.device_type or device.type)
+    cast_model(model, config)
+    setattr(model, _CONFIG_ATTR, config)
+    model.compile(backend=FxampBackend(config, compiler=compiler, mode=mode, options=options),
+                  dynamic=dynamic, fullgraph=fullgraph)
+    return model
+
+
+def config_of(model: torch.nn.Module) -> Optional[AmpConfig]:
+    """The resolved AmpConfig `fxamp.compile` applied to `model`, or None."""
+    return getattr(model, _CONFIG_ATTR, None)

@@ -1,0 +1,152 @@
+"""explain(): what fxamp did to a model, built from the passes' own annotations."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from fxamp.backend import CompiledGraph, FxampBackend, _check_model
+from fxamp.cast_model import cast_model
+from fxamp.config import AmpConfig
+from fxamp.passes.annotate import FXAMP_META, short_dtype
+from fxamp.passes.insert_casts import CastInfo
+from fxamp.policy import CastPolicy
+from fxamp.rules import is_compute_op, module_path
+from fxamp.testing import format_graph
+
+__all__ = ["explain", "Explanation", "OpRow"]
+
+_FP32_POLICIES = (CastPolicy.FP32, CastPolicy.FP32_SET_OPT_DTYPE)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRow:
+    """One compute op: where it is, the policy applied and why, and its dtypes."""
+
+    graph: int
+    op: str
+    module: str
+    policy: str
+    reason: str
+    inputs: str
+    output: str
+
+
+@dataclasses.dataclass
+class Explanation:
+    """The report `fxamp.explain` returns; `str()` prints it, the fields are for code."""
+
+    config: AmpConfig
+    graphs: list[CompiledGraph]
+    backward_graphs: list[fx.GraphModule]
+    rows: list[OpRow]
+    graph_breaks: int
+    break_reasons: list[str]
+
+    @property
+    def casts_inserted(self) -> int:
+        return sum(g.stats.casts_inserted for g in self.graphs)
+
+    @property
+    def ops_in_fp32(self) -> int:
+        return sum(r.output == "f32" and r.policy in ("fp32", "fp32_set_opt_dtype")
+                   for r in self.rows)
+
+    def __str__(self) -> str:
+        c = self.config
+        out = [f"fxamp {c.opt_level} | dtype {short_dtype(c.dtype)} | policy {c.policy} | "
+               f"device {c.device_type}",
+               f"graphs: {len(self.graphs)} | graph breaks: {self.graph_breaks} | "
+               f"casts inserted: {self.casts_inserted} | ops kept in fp32: {self.ops_in_fp32}"]
+        out += [f"  break: {r}" for r in self.break_reasons]
+        for i, g in enumerate(self.graphs):
+            out += ["", f"== forward graph {i} (after fxamp) ==", format_graph(g.graph_module)]
+        for i, g in enumerate(self.backward_graphs):
+            out += ["", f"== backward graph {i} ==", format_graph(g, marks=False)]
+        out += ["", "== compute ops ==", _table(self.rows)]
+        return "\n".join(out)
+
+
+def _table(rows: list[OpRow]) -> str:
+    header = ("op", "module", "policy", "inputs -> output", "why")
+    body = [(r.op, r.module, r.policy, f"{r.inputs} -> {r.output}", r.reason) for r in rows]
+    widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(4)]
+    fmt = lambda row: "  ".join(str(v).ljust(w) for v, w in zip(row, widths)) + "  " + row[4]
+    return "\n".join([fmt(header), *(fmt(r) for r in body)])
+
+
+def _rows(index: int, gm: fx.GraphModule) -> list[OpRow]:
+    rows = []
+    for node in gm.graph.nodes:
+        decision = node.meta.get(FXAMP_META)
+        if node.op != "call_function" or decision is None or isinstance(decision, CastInfo):
+            continue
+        if not is_compute_op(node.target) or not any(d is not None and d.is_floating_point
+                                                     for d in decision.input_dtypes):
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        module = module_path(list(stack.values())[-1][0]) if stack else ""
+        val = node.meta.get("val")
+        inputs = ",".join(short_dtype(d) for d in decision.input_dtypes if d is not None)
+        output = short_dtype(val.dtype) if isinstance(val, torch.Tensor) else "-"
+        rows.append(OpRow(index, str(node.target).replace("aten.", ""), module or "<root>",
+                          decision.policy.value, decision.reason, inputs, output))
+    return rows
+
+
+class _Recorder:
+    def __init__(self):
+        self.backward: list[fx.GraphModule] = []
+
+    def forward(self, gm, example_inputs):
+        return make_boxed_func(gm.forward)
+
+    def record_backward(self, gm, example_inputs):
+        self.backward.append(gm)
+        return make_boxed_func(gm.forward)
+
+
+def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
+            backward: bool = False, config: Optional[AmpConfig] = None,
+            **overrides: Any) -> Explanation:
+    """Run `model_or_fn(*example_inputs)` under fxamp (eagerly, no Inductor) and report.
+
+    A module is deep-copied first, so the caller's model is never cast or compiled.
+
+    Args:
+        model_or_fn: an nn.Module or a function of tensors.
+        *example_inputs: inputs to run it on once.
+        opt_level, config, **overrides: as for `fxamp.compile`.
+        backward: also run backward on the sum of the floating outputs and record the
+            backward graphs AOTAutograd derived from the transformed forward.
+
+    Returns:
+        An Explanation: print it, or read `.rows`, `.casts_inserted`, `.graph_breaks`.
+    """
+    config = config or AmpConfig.from_opt_level(opt_level, **overrides)
+    target = model_or_fn
+    if isinstance(target, torch.nn.Module):
+        device = _check_model(target)
+        target = copy.deepcopy(target)
+        config = config.resolve(config.device_type or device.type)
+        cast_model(target, config)
+    recorder = _Recorder()
+    inner = aot_autograd(fw_compiler=recorder.forward, bw_compiler=recorder.record_backward)
+    fxamp_backend = FxampBackend(config, compiler=inner)
+    outputs = torch.compile(target, backend=fxamp_backend)(*example_inputs)
+    if backward:
+        floats = [o for o in torch.utils._pytree.tree_leaves(outputs)
+                  if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
+        sum(o.float().sum() for o in floats).backward()
+    # Graph breaks do not depend on dtypes: count them on the caller's own, uncast model.
+    dynamo = torch._dynamo.explain(model_or_fn)(*example_inputs)
+    graphs = fxamp_backend.compiled_graphs
+    rows = [row for i, g in enumerate(graphs) for row in _rows(i, g.graph_module)]
+    return Explanation(graphs[0].config if graphs else config, graphs, recorder.backward, rows,
+                       dynamo.graph_break_count, [str(r.reason) for r in dynamo.break_reasons])

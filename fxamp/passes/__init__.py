@@ -1,0 +1,61 @@
+"""The one pipeline that orders fxamp's graph passes: annotate -> validate -> insert casts."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch.fx as fx
+
+from fxamp.config import AmpConfig
+from fxamp.passes.annotate import FXAMP_META, OpDecision, annotate
+from fxamp.passes.insert_casts import insert_casts, is_fxamp_cast
+from fxamp.passes.validate import validate
+
+__all__ = ["run_passes", "PassStats", "FXAMP_META", "OpDecision"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassStats:
+    """What the passes did to one graph (also shown by explain())."""
+
+    ops_annotated: int
+    ops_checked: int
+    casts_inserted: int
+    dead_casts_removed: int
+
+
+def remove_dead_casts(gm: fx.GraphModule) -> int:
+    """Drop casts fxamp inserted that nothing uses (restores that the next fp32 op skipped)."""
+    removed = 0
+    for node in reversed(list(gm.graph.nodes)):
+        if is_fxamp_cast(node) and not node.users:
+            gm.graph.erase_node(node)
+            removed += 1
+    return removed
+
+
+class _LazyGraph:
+    def __init__(self, gm: fx.GraphModule):
+        self.gm = gm
+
+    def __str__(self) -> str:
+        from fxamp.testing import format_graph
+
+        return format_graph(self.gm)
+
+
+def run_passes(gm: fx.GraphModule, config: AmpConfig, fake_mode) -> PassStats:
+    """Run the fxamp passes in place on a pre-dispatch ATen graph with fake `meta['val']`."""
+    assert config.is_resolved, "run_passes needs a config resolved for a device"
+    annotated = annotate(gm, config, fake_mode)
+    checked = validate(gm, config)
+    inserted = insert_casts(gm)
+    removed = remove_dead_casts(gm)
+    gm.graph.lint()
+    gm.recompile()
+    stats = PassStats(annotated, checked, inserted - removed, removed)
+    log.debug("fxamp %s (%s): %s\n%s", config.opt_level, config.policy, stats, _LazyGraph(gm))
+    return stats

@@ -1,0 +1,202 @@
+"""Annotate: decide every node's casts and record them in `node.meta[FXAMP_META]`.
+
+The graph is walked in order while the new dtypes are propagated with fake tensors, so each
+decision sees the dtypes its inputs will really have after earlier decisions (a linear lowered
+to bf16 hands bf16 to the relu after it). Nothing in the graph changes here: `insert_casts`
+materialises the decisions, and `explain()` prints them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch._ops import OpOverload
+from torch.utils import _pytree as pytree
+
+from fxamp.config import LOW_DTYPES, AmpConfig
+from fxamp.errors import FxampError
+from fxamp.policy import CastPolicy
+from fxamp.rules import USER_CAST_OPS, castable_args, choose_policy
+
+__all__ = ["FXAMP_META", "OpDecision", "annotate", "short_dtype"]
+
+FXAMP_META = "fxamp"
+
+_SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
+          torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "b8",
+          torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16"}
+
+
+def short_dtype(dtype: Optional[torch.dtype]) -> str:
+    return "-" if dtype is None else _SHORT.get(dtype, str(dtype).replace("torch.", ""))
+
+
+@dataclasses.dataclass
+class OpDecision:
+    """What the passes do to one node, and why. Read by insert_casts and explain()."""
+
+    policy: CastPolicy
+    reason: str
+    input_dtypes: tuple[Optional[torch.dtype], ...]
+    arg_casts: dict[int, torch.dtype]  # flat (args, kwargs) leaf index -> dtype
+    set_dtype_kwarg: bool = False  # fp32_set_opt_dtype: pass dtype=torch.float32
+    restore_output: Optional[torch.dtype] = None  # O2/O3 fp32 islands: cast the result back
+    output_casts: dict[int, torch.dtype] = dataclasses.field(default_factory=dict)  # output node
+    val: Any = None  # the node's own fake value after the casts (before any restore)
+
+    @property
+    def compute_dtype(self) -> Optional[torch.dtype]:
+        casts = set(self.arg_casts.values())
+        if self.set_dtype_kwarg:
+            return torch.float32
+        return casts.pop() if len(casts) == 1 else None
+
+
+def _dtype(value: Any) -> Optional[torch.dtype]:
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _eligible(value: Any, device_type: str) -> bool:
+    return (isinstance(value, torch.Tensor) and value.is_floating_point()
+            and value.dtype != torch.float64 and value.device.type == device_type)
+
+
+def _leaf_positions(node: fx.Node) -> list[Optional[int]]:
+    """For each flat leaf of (args, kwargs), the top-level positional index it sits in."""
+    positions: list[Optional[int]] = []
+    for i, arg in enumerate(node.args):
+        positions += [i] * len(pytree.tree_leaves(arg))
+    positions += [None] * len(pytree.tree_leaves(node.kwargs))
+    return positions
+
+
+def _mutated_positions(op: OpOverload) -> set[int]:
+    return {i for i, a in enumerate(op._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write}
+
+
+def _target_dtype(policy: CastPolicy, eligible: list[torch.dtype], low: torch.dtype):
+    if policy is CastPolicy.LOWER:
+        return low
+    if policy is CastPolicy.FP32:
+        return torch.float32
+    if policy is CastPolicy.PROMOTE:
+        return torch.float32 if torch.float32 in eligible else low
+    return None
+
+
+def _has_dtype_arg(node: fx.Node) -> bool:
+    names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
+    if "dtype" not in names:
+        return False
+    i = names.index("dtype")
+    return node.kwargs.get("dtype") is None and (len(node.args) <= i or node.args[i] is None)
+
+
+def _decide(node: fx.Node, vals: list[Any], config: AmpConfig) -> OpDecision:
+    policy, reason = choose_policy(node, config)
+    low = config.dtype
+    device = config.device_type
+    eligible_idx = [i for i, v in enumerate(vals) if _eligible(v, device)]
+    decision = OpDecision(policy, reason, tuple(_dtype(v) for v in vals), {})
+    if not eligible_idx or policy in (CastPolicy.KEEP, CastPolicy.BANNED):
+        _lower_model_inputs(node, vals, eligible_idx, decision, config)
+        return decision
+    if policy is CastPolicy.FP32_SET_OPT_DTYPE:
+        first = next((v for v in vals if isinstance(v, torch.Tensor)), None)
+        decision.set_dtype_kwarg = _eligible(first, device) and _has_dtype_arg(node)
+        return decision
+    positions = _leaf_positions(node)
+    allowed = castable_args(node.target, policy, len(node.args))
+    blocked = _mutated_positions(node.target)  # type: ignore[arg-type]
+    target = _target_dtype(policy, [vals[i].dtype for i in eligible_idx], low)
+    for i in eligible_idx:
+        pos = positions[i]
+        if pos in blocked or (allowed is not None and pos not in allowed):
+            continue
+        if vals[i].dtype != target:
+            decision.arg_casts[i] = target
+    if policy is CastPolicy.FP32 and config.cast_model_type in LOW_DTYPES:
+        lows = [vals[i].dtype for i in eligible_idx if vals[i].dtype in LOW_DTYPES]
+        decision.restore_output = lows[0] if lows else None
+    return decision
+
+
+def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: AmpConfig):
+    # Note [O2 graph inputs]: at O2/O3 the model computes in the low dtype, so fp32 graph inputs
+    # (the data, and the parameters when the backend is used without fxamp.compile) are cast at
+    # each use, except into fp32 islands, the user's own casts and arguments mutated in place.
+    if config.cast_model_type not in LOW_DTYPES or node.target in USER_CAST_OPS:
+        return
+    if not isinstance(node.target, OpOverload):
+        return
+    blocked = _mutated_positions(node.target)
+    positions = _leaf_positions(node)
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    for i in eligible_idx:
+        leaf = leaves[i]
+        if (isinstance(leaf, fx.Node) and leaf.op == "placeholder"
+                and vals[i].dtype == torch.float32 and positions[i] not in blocked):
+            decision.arg_casts[i] = config.dtype
+    if decision.arg_casts and not decision.reason.startswith("O"):
+        decision.reason = f"{config.opt_level} graph input cast to the model dtype"
+
+
+def _run(node: fx.Node, vals: list[Any], decision: OpDecision, fake_mode) -> Any:
+    cast_vals = list(vals)
+    for i, dtype in decision.arg_casts.items():
+        cast_vals[i] = vals[i].to(dtype)
+    args, kwargs = pytree.tree_unflatten(cast_vals, pytree.tree_flatten((node.args, node.kwargs))[1])
+    if decision.set_dtype_kwarg:
+        kwargs = {**kwargs, "dtype": torch.float32}
+    with fake_mode:
+        return node.target(*args, **kwargs)
+
+
+def annotate(gm: fx.GraphModule, config: AmpConfig, fake_mode) -> int:
+    """Record an OpDecision on every call_function and output node; returns how many cast."""
+    env: dict[fx.Node, Any] = {}
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr"):
+            env[node] = node.meta.get("val")
+            continue
+        leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
+        vals = [env[x] if isinstance(x, fx.Node) else x for x in leaves]
+        if node.op == "output":
+            node.meta[FXAMP_META] = _decide_outputs(vals, config)
+            continue
+        decision = _decide(node, vals, config)
+        inputs_changed = any(isinstance(x, fx.Node) and env[x] is not x.meta.get("val")
+                             for x in leaves)
+        if decision.arg_casts or decision.set_dtype_kwarg or decision.restore_output \
+                or inputs_changed:
+            try:
+                decision.val = _run(node, vals, decision, fake_mode)
+            except Exception as e:
+                raise FxampError(f"annotate: {node.format_node()}") from e
+        else:
+            decision.val = node.meta.get("val")
+        changed += bool(decision.arg_casts or decision.set_dtype_kwarg)
+        node.meta[FXAMP_META] = decision
+        env[node] = decision.val
+        if decision.restore_output is not None:
+            with fake_mode:
+                env[node] = decision.val.to(decision.restore_output)
+    return changed
+
+
+def _decide_outputs(vals: list[Any], config: AmpConfig) -> OpDecision:
+    out_dtype = config.output_dtype
+    decision = OpDecision(CastPolicy.KEEP, "model outputs", tuple(_dtype(v) for v in vals), {})
+    for i, v in enumerate(vals):
+        if (out_dtype is not None and _eligible(v, config.device_type)
+                and v.dtype != out_dtype):
+            decision.output_casts[i] = out_dtype
+    if decision.output_casts:
+        decision.reason = f"model outputs cast to {short_dtype(out_dtype)}"
+    return decision
+

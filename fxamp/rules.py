@@ -1,0 +1,133 @@
+"""How one node's policy is chosen: overrides, the preset table, and per-op rules.
+
+`choose_policy` answers "which CastPolicy applies to this node, and why" from data only (the
+config and the node's own metadata); `castable_args` answers "which of its tensor arguments may
+a cast touch" for the few ops where the answer is not "all of them" (a table cannot say that
+batch_norm's running statistics are mutated in place and must never be replaced by a copy).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Callable, Optional
+
+import torch
+from torch._ops import OpOverload
+
+from fxamp.config import AmpConfig
+from fxamp.errors import ConfigError
+from fxamp.policy import CastPolicy, preset_table
+
+__all__ = ["choose_policy", "module_path", "register_rule", "castable_args", "is_compute_op",
+           "check_op_override_keys", "USER_CAST_OPS"]
+
+aten = torch.ops.aten
+
+# Casts the user wrote; a policy never second-guesses them.
+USER_CAST_OPS = frozenset(op for op in (
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default,
+    aten.type_as.default,
+) if isinstance(op, OpOverload))
+
+BATCH_NORM_OPS = frozenset((aten.batch_norm.default, aten.instance_norm.default))
+
+_RULES: dict[OpOverload, Callable[[CastPolicy, int], tuple[int, ...]]] = {}
+
+
+def register_rule(*ops: OpOverload):
+    """Register `fn(policy, n_args) -> positions of args a cast may touch` for `ops`."""
+
+    def wrap(fn):
+        for op in ops:
+            _RULES[op] = fn
+        return fn
+
+    return wrap
+
+
+@register_rule(*BATCH_NORM_OPS)
+def _batch_norm_args(policy: CastPolicy, n_args: int) -> tuple[int, ...]:
+    # Note [batch_norm keeps its statistics]: running_mean/var (args 3, 4) are updated in place
+    # inside the op, so they can never be swapped for a cast copy. ATen's mixed-type batch norm
+    # takes a low-precision input with fp32 weight/bias/stats, so lowering casts the input only;
+    # running in fp32 casts input, weight and bias, and validate() checks the stats are fp32.
+    return (0,) if policy is CastPolicy.LOWER else (0, 1, 2)
+
+
+def castable_args(op: object, policy: CastPolicy, n_args: int) -> Optional[tuple[int, ...]]:
+    """Positions of top-level args a cast may touch, or None for all of them."""
+    rule = _RULES.get(op)  # type: ignore[arg-type]
+    return rule(policy, n_args) if rule else None
+
+
+def is_compute_op(op: object) -> bool:
+    """Ops a module-wide override applies to: not views, not in-place, not the user's casts."""
+    if not isinstance(op, OpOverload) or op in USER_CAST_OPS:
+        return False
+    return not op.is_view and not op._schema.is_mutable
+
+
+_SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
+_ITEM = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+
+
+def module_path(dynamo_path: str) -> str:
+    """Dynamo's "L['self'].blocks[0]._modules['ln']" -> "blocks.0.ln" (the named_modules path)."""
+    path = _SOURCE_PREFIX.sub("", dynamo_path)
+    path = path.replace("._modules", "").replace("_modules", "")
+    path = _ITEM.sub(r".\1", path)
+    return path.strip(".").replace("..", ".")
+
+
+def _module_override(node: torch.fx.Node, config: AmpConfig) -> Optional[tuple[str, str]]:
+    stack = node.meta.get("nn_module_stack") or {}
+    for dynamo_path, module_type in reversed(list(stack.values())):  # innermost first
+        path = module_path(dynamo_path)
+        type_name = getattr(module_type, "__name__", str(module_type).rsplit(".", 1)[-1])
+        for pattern, choice in config.module_overrides:
+            if pattern == type_name or fnmatch.fnmatchcase(path, pattern):
+                return f"module override {pattern!r} on {path or '<root>'}", choice
+    return None
+
+
+def _op_override(op: OpOverload, config: AmpConfig) -> Optional[tuple[str, str]]:
+    names = {str(op), str(op.overloadpacket), op.overloadpacket.__name__}
+    for key, choice in config.op_overrides:
+        if key in names:
+            return f"op override {key!r}", choice
+    return None
+
+
+def check_op_override_keys(config: AmpConfig) -> None:
+    """Every op_overrides key must name an ATen op (raises ConfigError otherwise)."""
+    for key, _ in config.op_overrides:
+        parts = key.split(".")
+        if parts[0] == "aten":
+            parts = parts[1:]
+        packet = getattr(aten, parts[0], None) if parts else None
+        if packet is None or (len(parts) > 1 and not hasattr(packet, parts[1])):
+            raise ConfigError(
+                f"op_overrides key {key!r} is not an ATen op or overload "
+                "(write it as 'aten.softmax' or 'aten.softmax.int')"
+            )
+
+
+def choose_policy(node: torch.fx.Node, config: AmpConfig) -> tuple[CastPolicy, str]:
+    """The policy for one call_function node and the reason, by the documented precedence."""
+    op = node.target
+    if not isinstance(op, OpOverload) or op in USER_CAST_OPS:
+        return CastPolicy.KEEP, "not a castable op"
+    found = _module_override(node, config) if is_compute_op(op) else None
+    found = found or _op_override(op, config)
+    if found:
+        return CastPolicy(found[1]), found[0]
+    if op in BATCH_NORM_OPS and config.opt_level in ("O2", "O3"):
+        if config.keep_batchnorm_fp32:
+            return CastPolicy.FP32, "keep_batchnorm_fp32"
+        return CastPolicy.LOWER, f"{config.opt_level} batch_norm in the model dtype"
+    if config.patch_torch_functions:
+        policy = preset_table(config.policy).get(op)
+        if policy is not None:
+            return policy, f"{config.policy} table"
+    return CastPolicy.KEEP, "not in the table: runs in its inputs' dtype"

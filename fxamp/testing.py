@@ -1,0 +1,69 @@
+"""Readable graphs with a dtype on every value, for golden tests, explain() and logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxamp.passes.annotate import FXAMP_META, short_dtype
+
+__all__ = ["format_graph", "node_dtypes", "cast_nodes"]
+
+
+def _type_of(val: Any) -> str:
+    if isinstance(val, torch.Tensor):
+        return short_dtype(val.dtype) + "[" + ",".join(str(s) for s in val.shape) + "]"
+    if isinstance(val, (tuple, list)):
+        return "(" + ", ".join(_type_of(v) for v in val) + ")"
+    return type(val).__name__ if val is not None else "-"
+
+
+def _arg(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, torch.dtype):
+        return short_dtype(a)
+    if isinstance(a, (list, tuple)):
+        return "[" + ", ".join(_arg(x) for x in a) + "]"
+    return repr(a)
+
+
+def _target(node: fx.Node) -> str:
+    target = node.target
+    name = str(target) if isinstance(target, torch._ops.OpOverload) else getattr(
+        target, "__name__", str(target))
+    return name.replace("aten.", "").replace(".default", "")
+
+
+def format_graph(gm: fx.GraphModule, *, marks: bool = True) -> str:
+    """One line per node: `name: dtype[shape] = op(args)`, casts fxamp inserted marked `# fxamp`."""
+    lines = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            lines.append(f"{node.name}: {_type_of(node.meta.get('val'))}")
+        elif node.op == "output":
+            lines.append(f"return {_arg(list(node.args[0]) if isinstance(node.args[0], (tuple, list)) else node.args[0])}")
+        elif node.op == "call_function":
+            args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
+            line = f"{node.name}: {_type_of(node.meta.get('val'))} = {_target(node)}({', '.join(args)})"
+            if marks and type(node.meta.get(FXAMP_META)).__name__ == "CastInfo":
+                line += "  # fxamp"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def node_dtypes(gm: fx.GraphModule) -> dict[str, str]:
+    """{node name: dtype} for every node whose value is a tensor."""
+    return {n.name: short_dtype(n.meta["val"].dtype) for n in gm.graph.nodes
+            if isinstance(n.meta.get("val"), torch.Tensor)}
+
+
+def cast_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The dtype-conversion nodes of a graph (fxamp's and the user's)."""
+    kinds = {torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default,
+             torch.ops.aten.to.dtype}
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in kinds]
+
+
