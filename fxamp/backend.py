@@ -185,3 +185,14 @@ def compile(model: torch.nn.Module, *, opt_level: str = "O1", config: Optional[A
 def config_of(model: torch.nn.Module) -> Optional[AmpConfig]:
     """The resolved AmpConfig `fxamp.compile` applied to `model`, or None."""
     return getattr(model, _CONFIG_ATTR, None)
+
+
+def registered_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,
+                       mode: Optional[str] = None, options: Optional[dict] = None):
+    """`torch.compile(model, backend="fxamp")`: O1 with the device defaults.
+
+    Registered through the "torch_dynamo_backends" entry point in pyproject.toml; Inductor's
+    `mode` and `options` pass through as torch.compile hands them to named backends.
+    """
+    return FxampBackend(AmpConfig.from_opt_level("O1"), mode=mode, options=options)(
+        gm, example_inputs)

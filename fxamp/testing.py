@@ -67,3 +67,23 @@ def cast_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target in kinds]
 
 
+
+
+def transform(fn, *example_inputs, config) -> fx.GraphModule:
+    """Trace `fn` to the pre-dispatch ATen graph on fake tensors and run fxamp's passes on it.
+
+    The same capture and pipeline the backend uses, without Dynamo or a compiler: for tests
+    of the passes on tiny graphs (milliseconds) and for checking single ops. `config` must be
+    resolved (`AmpConfig.from_opt_level(...).resolve("cpu")`).
+    """
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxamp.passes import run_passes
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:
+        fakes = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
+                 for t in example_inputs]
+        gm = make_fx(fn, pre_dispatch=True)(*fakes)
+    run_passes(gm, config, fake_mode)
+    return gm
