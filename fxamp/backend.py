@@ -10,14 +10,14 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from fxamp.cast_model import cast_model
+from fxamp.cast_model import boundary_forward, cast_model
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.rules import check_op_override_keys
 
-__all__ = ["FxampBackend", "backend", "compile", "config_of", "CompiledGraph"]
+__all__ = ["FxampBackend", "backend", "compile", "compile_module", "config_of", "CompiledGraph"]
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,9 @@ def backend(opt_level: str = "O1", *, compiler: Compiler = "inductor", mode: Opt
         **overrides: `AmpConfig.from_opt_level` keywords (dtype, keep_batchnorm_fp32,
             op_overrides, module_overrides, policy, cast_model_outputs, ...).
     """
+    if overrides.get("cast_model_outputs") is not None:
+        raise ConfigError("cast_model_outputs applies at the model boundary, which a backend "
+                          "does not see: use fxamp.compile(model, cast_model_outputs=...)")
     return FxampBackend(AmpConfig.from_opt_level(opt_level, **overrides), compiler=compiler,
                         mode=mode, options=options)
 
@@ -148,7 +151,8 @@ def compile(model: torch.nn.Module, *, opt_level: str = "O1", config: Optional[A
     Like `apex.amp.initialize`, this prepares the model in place and returns it: at O0 the
     parameters are stored in fp32, at O2/O3 in the low dtype (O2 keeps BatchNorm, and any
     module overridden to fp32, in fp32), and `model.compile(backend=fxamp.backend(...))`
-    makes every call run the transformed graph.
+    makes every call run the transformed graph, with floating inputs cast to the model dtype
+    and outputs to fp32 (or `cast_model_outputs`) at O0/O2/O3, as Apex did.
 
     Args:
         model: a module with floating-point parameters, not yet wrapped in DDP.
@@ -176,10 +180,22 @@ def compile(model: torch.nn.Module, *, opt_level: str = "O1", config: Optional[A
     device = _check_model(model)
     config = config.resolve(config.device_type or device.type)
     cast_model(model, config)
-    setattr(model, _CONFIG_ATTR, config)
-    model.compile(backend=FxampBackend(config, compiler=compiler, mode=mode, options=options),
-                  dynamic=dynamic, fullgraph=fullgraph)
+    compile_module(model, FxampBackend(config, compiler=compiler, mode=mode, options=options),
+                   dynamic=dynamic, fullgraph=fullgraph)
     return model
+
+
+def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
+                   dynamic: Optional[bool] = None, fullgraph: bool = False) -> None:
+    """Make every `model(...)` call run the fxamp-compiled graph, boundary casts included.
+
+    `_compiled_call_impl` is the slot `nn.Module.compile` itself fills; fxamp fills it with
+    the model's call wrapped in its boundary casts (Note [Model-boundary casts]).
+    """
+    forward = boundary_forward(model, fxamp_backend.config)
+    model._compiled_call_impl = torch.compile(forward, backend=fxamp_backend, dynamic=dynamic,
+                                              fullgraph=fullgraph)
+    setattr(model, _CONFIG_ATTR, fxamp_backend.config)
 
 
 def config_of(model: torch.nn.Module) -> Optional[AmpConfig]:

@@ -1,4 +1,5 @@
-"""Store a module's parameters and buffers in the dtype its opt level asks for (O0, O2, O3).
+"""Store a module's parameters and buffers in the dtype its opt level asks for (O0, O2, O3),
+and cast what crosses the model boundary (see Note [Model-boundary casts]).
 
 This is the one place fxamp changes a model outside a graph: O2/O3 save memory only if the
 weights themselves are 16-bit, which no graph pass can do. Parameters keep their identity
@@ -8,13 +9,13 @@ weights themselves are 16-bit, which no graph pass can do. Parameters keep their
 from __future__ import annotations
 
 import fnmatch
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from fxamp.config import LOW_DTYPES, AmpConfig
 
-__all__ = ["cast_model", "storage_dtype"]
+__all__ = ["cast_model", "storage_dtype", "boundary_forward"]
 
 _BATCH_NORM = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
 
@@ -42,6 +43,41 @@ def _state_dict_in_fp32(module, state_dict, prefix, local_metadata) -> None:
     for key, value in state_dict.items():
         if isinstance(value, torch.Tensor) and value.dtype in LOW_DTYPES:
             state_dict[key] = value.float()
+
+
+def _cast_floats(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...]) -> Any:
+    # Plain recursion rather than pytree: Dynamo traces it without a graph break.
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype in sources else value
+    if isinstance(value, (list, tuple)):
+        cast = [_cast_floats(v, dtype, sources) for v in value]
+        return tuple(cast) if isinstance(value, tuple) else cast
+    if isinstance(value, dict):
+        return {k: _cast_floats(v, dtype, sources) for k, v in value.items()}
+    return value
+
+
+def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[..., Any]:
+    """`model`'s call with Apex's model-boundary casts, as one function for torch.compile.
+
+    Note [Model-boundary casts]: at O0/O2/O3 the weights change dtype before Dynamo traces the
+    model, so an fp32 input would meet bf16 weights inside Dynamo's own tracing, before any
+    graph pass runs. Like Apex, fxamp casts floating inputs to the model dtype on the way in
+    and outputs to `config.output_dtype` on the way out (never fp64, never ints). Written as
+    a function that calls the module, Dynamo traces the casts into the model's graph (module
+    hooks on the top-level module would each become a graph of their own).
+    """
+    in_dtype, out_dtype = config.cast_model_type, config.output_dtype
+    in_sources = tuple(d for d in (torch.float32, *LOW_DTYPES) if d != in_dtype)
+    out_sources = tuple(d for d in LOW_DTYPES if d != out_dtype)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if in_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), in_dtype, in_sources)
+        output = model._call_impl(*args, **kwargs)
+        return output if out_dtype is None else _cast_floats(output, out_dtype, out_sources)
+
+    return forward
 
 
 def cast_model(model: torch.nn.Module, config: AmpConfig) -> int:

@@ -11,7 +11,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from fxamp.backend import CompiledGraph, FxampBackend, _check_model
+from fxamp.backend import CompiledGraph, FxampBackend, _check_model, compile_module
 from fxamp.cast_model import cast_model
 from fxamp.config import AmpConfig
 from fxamp.passes.annotate import FXAMP_META, short_dtype
@@ -139,7 +139,11 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
     recorder = _Recorder()
     inner = aot_autograd(fw_compiler=recorder.forward, bw_compiler=recorder.record_backward)
     fxamp_backend = FxampBackend(config, compiler=inner)
-    outputs = torch.compile(target, backend=fxamp_backend)(*example_inputs)
+    if isinstance(target, torch.nn.Module):
+        compile_module(target, fxamp_backend)
+        outputs = target(*example_inputs)
+    else:
+        outputs = torch.compile(target, backend=fxamp_backend)(*example_inputs)
     if backward:
         floats = [o for o in torch.utils._pytree.tree_leaves(outputs)
                   if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]

@@ -44,7 +44,6 @@ class OpDecision:
     arg_casts: dict[int, torch.dtype]  # flat (args, kwargs) leaf index -> dtype
     set_dtype_kwarg: bool = False  # fp32_set_opt_dtype: pass dtype=torch.float32
     restore_output: Optional[torch.dtype] = None  # O2/O3 fp32 islands: cast the result back
-    output_casts: dict[int, torch.dtype] = dataclasses.field(default_factory=dict)  # output node
     val: Any = None  # the node's own fake value after the casts (before any restore)
 
     @property
@@ -127,8 +126,11 @@ def _decide(node: fx.Node, vals: list[Any], config: AmpConfig) -> OpDecision:
 
 def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: AmpConfig):
     # Note [O2 graph inputs]: at O2/O3 the model computes in the low dtype, so fp32 graph inputs
-    # (the data, and the parameters when the backend is used without fxamp.compile) are cast at
-    # each use, except into fp32 islands, the user's own casts and arguments mutated in place.
+    # (the parameters when the backend is used without fxamp.compile, and data the caller did
+    # not cast) are cast at each use, except into fp32 islands, the user's own casts and
+    # arguments mutated in place. The model's outputs are not a graph's business: a graph
+    # break makes any value an output, so fxamp.compile casts outputs with a module hook
+    # (Note [Model-boundary casts are hooks]).
     if config.cast_model_type not in LOW_DTYPES or node.target in USER_CAST_OPS:
         return
     if not isinstance(node.target, OpOverload):
@@ -167,7 +169,6 @@ def annotate(gm: fx.GraphModule, config: AmpConfig, fake_mode) -> int:
         leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
         vals = [env[x] if isinstance(x, fx.Node) else x for x in leaves]
         if node.op == "output":
-            node.meta[FXAMP_META] = _decide_outputs(vals, config)
             continue
         decision = _decide(node, vals, config)
         inputs_changed = any(isinstance(x, fx.Node) and env[x] is not x.meta.get("val")
@@ -187,16 +188,3 @@ def annotate(gm: fx.GraphModule, config: AmpConfig, fake_mode) -> int:
             with fake_mode:
                 env[node] = decision.val.to(decision.restore_output)
     return changed
-
-
-def _decide_outputs(vals: list[Any], config: AmpConfig) -> OpDecision:
-    out_dtype = config.output_dtype
-    decision = OpDecision(CastPolicy.KEEP, "model outputs", tuple(_dtype(v) for v in vals), {})
-    for i, v in enumerate(vals):
-        if (out_dtype is not None and _eligible(v, config.device_type)
-                and v.dtype != out_dtype):
-            decision.output_casts[i] = out_dtype
-    if decision.output_casts:
-        decision.reason = f"model outputs cast to {short_dtype(out_dtype)}"
-    return decision
-

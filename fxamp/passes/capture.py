@@ -54,6 +54,6 @@ _DYNAMO_NOISE = re.compile(r"(?<![^_])(modules|parameters|buffers)_")
 
 def readable_name(dynamo_name: str) -> str:
     """'l_self_modules_fc_parameters_weight_' -> 'fc_weight', 'l_x_' -> 'x'."""
-    name = re.sub(r"^l_(self_)?", "", dynamo_name)
+    name = re.sub(r"^l_(self_|model_)?", "", dynamo_name)
     name = _DYNAMO_NOISE.sub("", name).strip("_")
     return name or dynamo_name

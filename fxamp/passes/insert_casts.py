@@ -106,12 +106,6 @@ def insert_casts(gm: fx.GraphModule) -> int:
         decision = node.meta.get(FXAMP_META)
         if decision is None or isinstance(decision, CastInfo):
             continue
-        if node.op == "output":
-            leaves, spec = pytree.tree_flatten(node.args)
-            for i, dtype in decision.output_casts.items():
-                leaves[i] = casts.get(leaves[i], dtype, node, "model output")
-            node.args = pytree.tree_unflatten(leaves, spec)
-            continue
         if decision.arg_casts or decision.set_dtype_kwarg:
             _cast_inputs(node, decision, casts)
         if decision.val is not None:

@@ -1,0 +1,142 @@
+"""`python -m fxamp explain TARGET`: print what fxamp does to a model, from the shell.
+
+TARGET is "package.module:factory", a zero-argument callable returning
+`(model, example_inputs)` with `example_inputs` a tuple; the module is looked up in the
+current directory first, then on PYTHONPATH. For example:
+
+    python -m fxamp explain examples.models:mlp --opt-level O2 --backward
+
+Exit status: 0 after printing the report; 2 for bad input (a target that cannot be loaded, or
+an option fxamp refuses, with fxamp's ConfigError message); 1 when fxamp refuses an op of the
+model (BannedOpError, whose message names the safe alternative). Either error is one line on
+stderr; anything else is a bug in the model or in fxamp, and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+import torch
+
+from fxamp.config import OPT_LEVELS, POLICY_PRESETS, AmpConfig
+from fxamp.errors import BannedOpError, ConfigError
+from fxamp.explain import explain
+from fxamp.rules import check_op_override_keys
+
+__all__ = ["main", "build_parser", "load_target", "TargetError"]
+
+_PROG = "python -m fxamp"
+
+
+class TargetError(ValueError):
+    """TARGET does not name a factory returning (model, example_inputs)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    # argparse prints the whole usage before its error; one line is easier to read in CI logs.
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.rpartition("=")
+    if not sep or not key or not value:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=POLICY")
+    return key, value
+
+
+def _add_explain(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "explain", help="print the graphs and per-op dtypes fxamp produces for a model",
+        description="Run TARGET's model once under fxamp (eagerly, no Inductor) and print "
+                    "fxamp.explain(...).")
+    p.add_argument("target", metavar="TARGET",
+                   help='"package.module:factory", a zero-argument callable returning '
+                        "(model, example_inputs_tuple)")
+    p.add_argument("--opt-level", default="O1", metavar="|".join(OPT_LEVELS),
+                   help="Apex opt level, letter O (default: O1)")
+    p.add_argument("--dtype", choices=("bf16", "fp16"),
+                   help="low-precision dtype (default: fp16 on CUDA, bf16 elsewhere)")
+    p.add_argument("--policy", choices=POLICY_PRESETS,
+                   help="op-table preset (default: the torch preset of the device)")
+    p.add_argument("--keep-batchnorm-fp32", metavar="True|False",
+                   help="O2/O3: keep BatchNorm in fp32 (refused with O1, as in Apex)")
+    p.add_argument("--module-override", type=_pair, action="append", default=[],
+                   metavar="PATTERN=POLICY",
+                   help="module path glob or class name -> lower|fp32|promote|keep; repeatable")
+    p.add_argument("--op-override", type=_pair, action="append", default=[],
+                   metavar="OP=POLICY",
+                   help="ATen op like aten.softmax or aten.softmax.int -> policy; repeatable")
+    p.add_argument("--backward", action="store_true",
+                   help="also run backward and print the backward graphs")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=_PROG, description="fxamp: Apex-style mixed precision as FX passes.")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       parser_class=_Parser)
+    _add_explain(subparsers)
+    return parser
+
+
+def _import(module_name: str) -> Any:
+    # `python -m fxamp` puts the current directory on sys.path; the `fxamp` script does not.
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and (module_name + ".").startswith(e.name + "."):
+            raise TargetError(f"cannot import {module_name!r}: no module named {e.name!r} "
+                              "(run from the directory that holds it, or set PYTHONPATH)") from e
+        raise  # the module exists but one of its own imports failed
+
+
+def load_target(spec: str) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+    """Import "package.module:factory", call it, and check it returned (model, inputs)."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise TargetError(f"TARGET {spec!r} is not 'package.module:factory'")
+    factory = getattr(_import(module_name), attr, None)
+    if not callable(factory):
+        raise TargetError(f"{module_name!r} has no callable {attr!r}")
+    result = factory()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], tuple)):
+        raise TargetError(f"{spec}() returned {type(result).__name__}, not "
+                          "(model, example_inputs_tuple)")
+    return result
+
+
+def _config(args: argparse.Namespace) -> AmpConfig:
+    options = dict(dtype=args.dtype, policy=args.policy,
+                   keep_batchnorm_fp32=args.keep_batchnorm_fp32,
+                   module_overrides=dict(args.module_override),
+                   op_overrides=dict(args.op_override))
+    config = AmpConfig.from_opt_level(args.opt_level, **{
+        k: v for k, v in options.items() if v not in (None, {})})
+    check_op_override_keys(config)
+    return config
+
+
+def _run_explain(args: argparse.Namespace) -> str:
+    config = _config(args)  # before importing TARGET: a typo fails fast, not after model setup
+    model, inputs = load_target(args.target)
+    return str(explain(model, *inputs, config=config, backward=args.backward))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of `python -m fxamp`; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        report = _run_explain(args)
+    except (TargetError, ConfigError) as e:
+        parser.exit(2, f"{_PROG}: error: {e}\n")
+    except BannedOpError as e:
+        parser.exit(1, f"{_PROG}: error: {e}\n")
+    sys.stdout.write(report + "\n")
+    return 0

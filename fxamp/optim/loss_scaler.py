@@ -1,0 +1,283 @@
+"""Loss scaling held on the device: Apex's, torch GradScaler's and DeepSpeed's dynamic rules.
+
+The scale, the growth tracker and the hysteresis counter are 0-dim tensors, so scaling a loss and
+updating the scale after a step never read a value back to the host. The update is a pure function
+(`next_scale_state`) that the fused optimizer step traces into its own graph; `LossScaler.update`
+runs it on its own for the other paths (several losses, FP16_Optimizer).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Mapping, NamedTuple, Optional, Union
+
+import torch
+
+from fxamp.errors import ConfigError
+
+__all__ = ["LossScaler", "ScaleRule", "next_scale_state", "SEMANTICS"]
+
+log = logging.getLogger(__name__)
+
+SEMANTICS = ("apex", "torch", "deepspeed")
+
+# Defaults per semantics (see ../../../shared/reference/AMP_SEMANTICS.md, "Loss scaling").
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "apex": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                 min_loss_scale=None, max_loss_scale=2.0**24, hysteresis=1),
+    "torch": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                  min_loss_scale=None, max_loss_scale=None, hysteresis=1),
+    "deepspeed": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
+                      growth_interval=1000, min_loss_scale=1.0, max_loss_scale=None, hysteresis=2),
+}
+_UNSET: Any = object()
+
+
+class ScaleRule(NamedTuple):
+    """How a dynamic scale moves; primitives only, so a compiled step specialises on its value."""
+
+    dynamic: bool
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    min_scale: Optional[float]
+    max_scale: Optional[float]
+    hysteresis: int
+    consecutive_hysteresis: bool
+    finite_growth_only: bool
+
+
+def next_scale_state(scale: torch.Tensor, tracker: torch.Tensor, hysteresis: torch.Tensor,
+                     found_inf: torch.Tensor, rule: ScaleRule):
+    """(scale, growth tracker, hysteresis left) after a step whose overflow flag is `found_inf`.
+
+    Apex: halve on overflow (floored at min), double after `growth_interval` clean steps (capped
+    at max). torch: the same without caps, growth only to a finite value. DeepSpeed: back off only
+    once `hysteresis` overflows have been seen since the last growth (or the last clean step with
+    `consecutive_hysteresis`). All selects, no host reads.
+    """
+    if not rule.dynamic:
+        return scale, tracker, hysteresis
+    backed = scale * rule.backoff_factor
+    if rule.min_scale is not None:
+        backed = backed.clamp_min(rule.min_scale)
+    clean = tracker + 1
+    grow = ~found_inf & (clean >= rule.growth_interval)
+    grown = scale * rule.growth_factor
+    if rule.max_scale is not None:
+        grown = grown.clamp_max(rule.max_scale)
+    if rule.finite_growth_only:
+        grown = torch.where(torch.isfinite(grown), grown, scale)
+    back_off = found_inf & (hysteresis <= 1)
+    new_scale = torch.where(back_off, backed, torch.where(grow, grown, scale))
+    new_tracker = torch.where(found_inf | grow, torch.zeros_like(clean), clean)
+    reset = ~found_inf if rule.consecutive_hysteresis else grow
+    full = torch.full_like(hysteresis, rule.hysteresis)
+    new_hysteresis = torch.where(found_inf, (hysteresis - 1).clamp_min(1),
+                                 torch.where(reset, full, hysteresis))
+    return new_scale, new_tracker, new_hysteresis
+
+
+def _update_in_place(scale, tracker, hysteresis, found_inf, rule: ScaleRule) -> None:
+    new = next_scale_state(scale, tracker, hysteresis, found_inf, rule)
+    for dst, src in zip((scale, tracker, hysteresis), new):
+        dst.copy_(src)
+
+
+_compiled_update = torch.compile(_update_in_place, fullgraph=True, recompile_limit=64)
+
+
+class LossScaler:
+    """A static or dynamic loss scale kept on the device.
+
+    Args:
+        loss_scale: "dynamic", or a positive number (or numeric string) for a static scale.
+        semantics: the dynamic rule: "apex" (default: start 2**16, halve on overflow floored at
+            `min_loss_scale`, double after 2000 clean steps capped at `max_loss_scale` = 2**24),
+            "torch" (GradScaler: no caps, growth only while finite) or "deepspeed" (back off after
+            `hysteresis` = 2 overflows, double after 1000 clean steps, floor 1).
+        init_scale, growth_factor, backoff_factor, growth_interval, min_loss_scale,
+        max_loss_scale, hysteresis: override the semantics' defaults (None for min/max means
+            no floor/cap).
+        consecutive_hysteresis: DeepSpeed's option: refill the hysteresis on every clean step
+            rather than only when the scale grows.
+        compile: trace the standalone update with torch.compile (the fused optimizer step always
+            traces it into its own graph when it compiles).
+
+    A static scale never changes, but a step with inf/nan gradients is still skipped (Apex would
+    apply it). DeepSpeed raises at the minimum scale; here the scale stays at the floor instead,
+    because raising would need a host read every step.
+    """
+
+    def __init__(self, loss_scale: Union[float, str] = "dynamic", *, semantics: str = "apex",
+                 init_scale: Optional[float] = None, growth_factor: Optional[float] = None,
+                 backoff_factor: Optional[float] = None, growth_interval: Optional[int] = None,
+                 min_loss_scale: Any = _UNSET, max_loss_scale: Any = _UNSET,
+                 hysteresis: Optional[int] = None, consecutive_hysteresis: bool = False,
+                 compile: bool = True) -> None:
+        overrides = dict(init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval,
+                         hysteresis=hysteresis, min_loss_scale=min_loss_scale,
+                         max_loss_scale=max_loss_scale)
+        static = _parse_loss_scale(loss_scale)
+        self.semantics = semantics
+        self.rule, init = _build_rule(semantics, static is None, consecutive_hysteresis,
+                                      overrides)
+        self._init = (init if static is None else static, 0, self.rule.hysteresis)
+        self._state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
+        self._found: Optional[torch.Tensor] = None
+        self._update = _compiled_update if compile else _update_in_place
+
+    @property
+    def dynamic(self) -> bool:
+        return self.rule.dynamic
+
+    def state_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor,
+                                                             torch.Tensor]:
+        """(scale, growth tracker, hysteresis left) as 0-dim tensors on `device`."""
+        if self._state is None:
+            scale, tracker, hyst = self._init
+            # torch.full is a fill on the device; torch.tensor(x, device=...) would be a copy
+            # that synchronises.
+            self._state = (torch.full((), scale, dtype=torch.float32, device=device),
+                           torch.full((), tracker, dtype=torch.int32, device=device),
+                           torch.full((), hyst, dtype=torch.int32, device=device))
+            self._found = torch.zeros((), dtype=torch.bool, device=device)
+        elif self._state[0].device != torch.device(device):
+            self._state = tuple(t.to(device) for t in self._state)  # type: ignore[assignment]
+            self._found = self._found.to(device)
+        return self._state
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """`loss` in fp32 times the current scale (a device multiply, no host read)."""
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"LossScaler.scale expects a tensor, got {type(loss).__name__}")
+        return loss.float() * self.state_tensors(loss.device)[0]
+
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The current scale as a 0-dim fp32 device tensor (created on the CPU if unused yet)."""
+        return self.state_tensors(self._device())[0]
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float. Reads it back from the device."""
+        return float(self._init[0]) if self._state is None else self._state[0].item()
+
+    def set_scale(self, value: float) -> None:
+        """Overwrite the current scale (for static scales set by hand, like Apex's setter)."""
+        if not value > 0:
+            raise ConfigError(f"loss scale {value!r} must be positive")
+        if self._state is None:
+            self._init = (float(value), *self._init[1:])
+        else:
+            self._state[0].fill_(float(value))
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        """Advance the dynamic scale by one step whose overflow flag is `found_inf` (0-dim)."""
+        if self.rule.dynamic:
+            self._update(*self.state_tensors(found_inf.device), found_inf.bool(), self.rule)
+
+    def _device(self) -> torch.device:
+        return torch.device("cpu") if self._state is None else self._state[0].device
+
+    def state_dict(self) -> dict[str, Any]:
+        """GradScaler's keys plus fxamp's; reads the scale back from the device."""
+        scale, tracker, hyst = self._init if self._state is None else (
+            t.item() for t in self._state)
+        return {"scale": scale, "growth_factor": self.rule.growth_factor,
+                "backoff_factor": self.rule.backoff_factor,
+                "growth_interval": self.rule.growth_interval, "_growth_tracker": int(tracker),
+                "hysteresis_left": int(hyst), "semantics": self.semantics,
+                "dynamic": self.rule.dynamic}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load fxamp's, torch GradScaler's or one Apex loss scaler's state.
+
+        Apex's `amp.state_dict()` holds one entry per loss ("loss_scaler0", ...); pass the entry
+        of this scaler, or use `fxamp.optim.load_amp_state_dict` for all of them.
+        """
+        sd = _single_scaler_entry(state_dict)
+        if "loss_scale" in sd:  # Apex
+            scale, tracker = float(sd["loss_scale"]), int(sd["unskipped"])
+        elif "scale" in sd:  # GradScaler or fxamp
+            scale, tracker = float(sd["scale"]), int(sd.get("_growth_tracker", 0))
+            self.rule = self.rule._replace(**{
+                k: type(getattr(self.rule, k))(sd[k])
+                for k in ("growth_factor", "backoff_factor", "growth_interval") if k in sd})
+        else:
+            raise ConfigError(f"not a loss-scaler state dict: keys {sorted(sd)}; expected "
+                              "'scale' (fxamp, GradScaler) or 'loss_scale' and 'unskipped' (Apex)")
+        hyst = int(sd.get("hysteresis_left", self.rule.hysteresis))
+        if self._state is None:
+            self._init = (scale, tracker, hyst)
+        else:
+            for t, v in zip(self._state, (scale, tracker, hyst)):
+                t.fill_(v)
+        log.debug("loaded loss scaler: scale %s, tracker %s", scale, tracker)
+
+    def __repr__(self) -> str:
+        kind = "dynamic" if self.rule.dynamic else "static"
+        return f"LossScaler({kind}, semantics={self.semantics!r}, device={self._device()})"
+
+
+def _parse_loss_scale(value: Any) -> Optional[float]:
+    if value == "dynamic":
+        return None
+    try:
+        scale = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"loss_scale={value!r} must be 'dynamic', a positive number or a "
+                          "numeric string") from None
+    if not 0 < scale < math.inf:
+        raise ConfigError(f"loss_scale={value!r} must be a positive finite number or 'dynamic'")
+    return scale
+
+
+def _opt_float(value: Any) -> Optional[float]:
+    return None if value is None else float(value)
+
+
+def _build_rule(semantics: str, dynamic: bool, consecutive_hysteresis: bool,
+                overrides: dict[str, Any]) -> tuple[ScaleRule, float]:
+    if semantics not in SEMANTICS:
+        raise ConfigError(f"semantics={semantics!r} is not one of {', '.join(SEMANTICS)}")
+    d = dict(_DEFAULTS[semantics])
+    # None keeps a default, except for min/max where None means "no floor/cap".
+    d.update((k, v) for k, v in overrides.items()
+             if v is not _UNSET and (v is not None or k.endswith("loss_scale")))
+    rule = ScaleRule(
+        dynamic=dynamic, growth_factor=float(d["growth_factor"]),
+        backoff_factor=float(d["backoff_factor"]), growth_interval=int(d["growth_interval"]),
+        min_scale=_opt_float(d["min_loss_scale"]) or None,  # Apex: 0 means no floor
+        max_scale=_opt_float(d["max_loss_scale"]), hysteresis=int(d["hysteresis"]),
+        consecutive_hysteresis=bool(consecutive_hysteresis),
+        finite_growth_only=semantics == "torch")
+    _check_rule(rule)
+    init = float(d["init_scale"])
+    if rule.max_scale is not None:
+        init = min(init, rule.max_scale)  # Apex caps the initial scale too
+    return rule, init
+
+
+def _check_rule(rule: ScaleRule) -> None:
+    if not (rule.growth_factor > 1 and 0 < rule.backoff_factor < 1):
+        raise ConfigError(f"growth_factor={rule.growth_factor} must be > 1 and backoff_factor="
+                          f"{rule.backoff_factor} in (0, 1)")
+    if rule.growth_interval < 1 or rule.hysteresis < 1:
+        raise ConfigError(f"growth_interval={rule.growth_interval} and hysteresis="
+                          f"{rule.hysteresis} must be positive ints")
+    if rule.min_scale and rule.max_scale and rule.min_scale > rule.max_scale:
+        raise ConfigError(f"min_loss_scale={rule.min_scale} exceeds max_loss_scale="
+                          f"{rule.max_scale}")
+
+
+def _single_scaler_entry(sd: Mapping[str, Any]) -> Mapping[str, Any]:
+    entries = [k for k in sd if k.startswith("loss_scaler")]
+    if not entries:
+        return sd
+    if len(entries) == 1:
+        return sd[entries[0]]
+    raise ConfigError(f"this Apex amp state dict holds {len(entries)} loss scalers "
+                      f"({', '.join(sorted(entries))}); pass one entry to LossScaler."
+                      "load_state_dict or use fxamp.optim.load_amp_state_dict")
