@@ -1,6 +1,6 @@
 """fxamp: Apex-style automatic mixed precision for PyTorch 2, as FX graph passes."""
 
-from fxamp.backend import FxampBackend, backend, compile, config_of
+from fxamp.backend import FxampBackend, backend, backend_of, compile, config_of
 from fxamp.config import AmpConfig
 from fxamp.errors import BannedOpError, ConfigError, FxampError
 from fxamp.policy import CastPolicy
@@ -16,6 +16,7 @@ __all__ = [
     "FxampBackend",
     "FxampError",
     "backend",
+    "backend_of",
     "compile",
     "config_of",
 ]

@@ -17,12 +17,13 @@ from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.rules import check_op_override_keys
 
-__all__ = ["FxampBackend", "backend", "compile", "compile_module", "config_of", "CompiledGraph"]
+__all__ = ["FxampBackend", "backend", "backend_of", "compile", "compile_module", "config_of",
+           "CompiledGraph"]
 
 log = logging.getLogger(__name__)
 
 Compiler = Union[str, Callable[[fx.GraphModule, Sequence[Any]], Callable]]
-_CONFIG_ATTR = "_fxamp_config"
+_BACKEND_ATTR = "_fxamp_backend"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,7 +62,7 @@ class FxampBackend:
 
     Args:
         config: the (possibly unresolved) AmpConfig; the device defaults are resolved from
-            the first graph's inputs.
+            each graph's inputs.
         compiler: "inductor" (default), "aot_eager", or any backend callable.
         mode: an Inductor mode ("reduce-overhead", "max-autotune", ...).
         options: Inductor config patches, as `torch.compile(options=...)` takes them.
@@ -131,9 +132,9 @@ def _check_model(model: Any) -> torch.device:
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ConfigError("model is already wrapped in DistributedDataParallel: call "
                           "fxamp.compile first and wrap the result in DDP afterwards")
-    if getattr(model, _CONFIG_ATTR, None) is not None:
+    if backend_of(model) is not None:
         raise ConfigError("model was already prepared by fxamp.compile "
-                          f"({getattr(model, _CONFIG_ATTR).opt_level}); compile it once")
+                          f"({backend_of(model).config.opt_level}); compile it once")
     tensors = list(model.parameters()) + list(model.buffers())
     floating = [t for t in tensors if t.is_floating_point()]
     if not floating:
@@ -195,12 +196,19 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
     forward = boundary_forward(model, fxamp_backend.config)
     model._compiled_call_impl = torch.compile(forward, backend=fxamp_backend, dynamic=dynamic,
                                               fullgraph=fullgraph)
-    setattr(model, _CONFIG_ATTR, fxamp_backend.config)
+    setattr(model, _BACKEND_ATTR, fxamp_backend)
+
+
+def backend_of(model: torch.nn.Module) -> Optional[FxampBackend]:
+    """The FxampBackend `fxamp.compile` attached to `model` (its `compiled_graphs` show every
+    graph it transformed), or None."""
+    return getattr(model, _BACKEND_ATTR, None)
 
 
 def config_of(model: torch.nn.Module) -> Optional[AmpConfig]:
     """The resolved AmpConfig `fxamp.compile` applied to `model`, or None."""
-    return getattr(model, _CONFIG_ATTR, None)
+    backend = backend_of(model)
+    return None if backend is None else backend.config
 
 
 def registered_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,

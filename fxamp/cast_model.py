@@ -9,6 +9,7 @@ weights themselves are 16-bit, which no graph pass can do. Parameters keep their
 from __future__ import annotations
 
 import fnmatch
+import types
 from typing import Any, Callable, Optional
 
 import torch
@@ -77,7 +78,12 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[...,
         output = model._call_impl(*args, **kwargs)
         return output if out_dtype is None else _cast_floats(output, out_dtype, out_sources)
 
-    return forward
+    # Note [One code object per compiled model]: Dynamo caches compiled graphs per code object.
+    # Closures share their code, so every model compiled by fxamp would pile its entries (and
+    # its recompiles) onto one cache until Dynamo's recompile limit silently sent models back
+    # to eager fp32. A copy of the code object gives each model its own cache.
+    return types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward",
+                              forward.__defaults__, forward.__closure__)
 
 
 def cast_model(model: torch.nn.Module, config: AmpConfig) -> int:

@@ -1,0 +1,98 @@
+"""The backend through real torch.compile + Inductor: compile counts, composition, caching."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._inductor.compile_fx import compile_fx
+
+import fxamp
+from examples import models
+
+
+class _Counting:
+    """An inner compiler that counts the graphs it is handed, then runs Inductor."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, gm, example_inputs):
+        self.calls += 1
+        return compile_fx(gm, example_inputs)
+
+
+def test_twenty_training_steps_compile_each_graph_once():
+    model, (x,) = models.mlp()
+    counting = _Counting()
+    fxamp.compile(model, opt_level="O1", compiler=counting)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    target = torch.randint(0, 4, (x.shape[0],))
+    for _ in range(20):
+        F.cross_entropy(model(x).float(), target).backward()
+        opt.step()
+        opt.zero_grad()
+    assert counting.calls == 1
+
+
+def test_registered_backend_name():
+    model, (x,) = models.mlp()
+    compiled = torch.compile(model, backend="fxamp")
+    assert compiled(x).dtype == torch.bfloat16  # O1, torch-cpu policy, bf16 on CPU
+
+
+def test_inductor_options_pass_through():
+    model, (x,) = models.mlp()
+    bad = fxamp.backend(opt_level="O1", options={"not_an_inductor_option": 1})
+    with pytest.raises(Exception, match="not_an_inductor_option"):
+        torch.compile(model, backend=bad)(x)
+
+
+def test_dynamic_shapes_one_graph():
+    model, (x,) = models.mlp()
+    reference = copy.deepcopy(model)
+    fxamp.compile(model, opt_level="O2", dynamic=True, compiler="aot_eager")
+    for batch in (8, 5, 3):
+        inputs = torch.randn(batch, x.shape[1])  # fresh tensors: a slice's base adds guards
+        out = model(inputs)
+        assert out.shape == (batch, 4) and out.dtype == torch.float32
+        torch.testing.assert_close(out, reference(inputs), atol=3e-2, rtol=3e-2)
+    backend = fxamp.backend_of(model)
+    assert len(backend.compiled_graphs) == 1
+
+
+def test_fxamp_adds_no_graph_breaks():
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x)
+
+    model, x = Broken(), torch.randn(2, 4)
+    plain = torch._dynamo.explain(copy.deepcopy(model))(x)
+    fxamp.compile(model, opt_level="O1", compiler="aot_eager")
+    model(x)
+    assert len(fxamp.backend_of(model).compiled_graphs) == plain.graph_count == 2
+
+
+def test_changed_policy_never_reuses_a_stale_graph():
+    model, (x,) = models.mlp()
+    first = fxamp.compile(copy.deepcopy(model), opt_level="O1")
+    second = fxamp.compile(copy.deepcopy(model), opt_level="O1",
+                           op_overrides={"aten.linear": "fp32"})
+    assert first(x).dtype == torch.bfloat16 and second(x).dtype == torch.float32
+    a, b = fxamp.backend_of(first), fxamp.backend_of(second)
+    assert a != b and a == fxamp.FxampBackend(a.config)
+
+
+def test_many_compiled_models_each_get_their_own_cache():
+    """Note [One code object per compiled model]: no model falls back to eager."""
+    model, (x,) = models.mlp()
+    for _ in range(10):
+        compiled = fxamp.compile(copy.deepcopy(model), opt_level="O1", compiler="aot_eager")
+        assert compiled(x).dtype == torch.bfloat16
+        assert len(fxamp.backend_of(compiled).compiled_graphs) == 1
