@@ -127,6 +127,7 @@ class LossScaler:
         self._init = (init if static is None else static, 0, self.rule.hysteresis)
         self._state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._found: Optional[torch.Tensor] = None
+        self._round: set[int] = set()
         self._update = _compiled_update if compile else _update_in_place
 
     @property
@@ -177,6 +178,22 @@ class LossScaler:
         """Advance the dynamic scale by one step whose overflow flag is `found_inf` (0-dim)."""
         if self.rule.dynamic:
             self._update(*self.state_tensors(found_inf.device), found_inf.bool(), self.rule)
+
+    # Folded gradients (several losses, several optimizers per loss): each optimizer that folds
+    # this scaler's gradients ORs their overflow into one flag and joins the round; the last one
+    # to step updates the scale once, by that flag.
+    def round_found(self, device: torch.device) -> torch.Tensor:
+        self.state_tensors(device)
+        return self._found
+
+    def join_round(self, owner: int) -> None:
+        self._round.add(owner)
+
+    def leave_round(self, owner: int) -> None:
+        self._round.discard(owner)
+        if not self._round:
+            self.update(self._found)
+            self._found.zero_()
 
     def _device(self) -> torch.device:
         return torch.device("cpu") if self._state is None else self._state[0].device

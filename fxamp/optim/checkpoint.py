@@ -1,0 +1,109 @@
+"""state_dict / load_state_dict for the fused optimizers, in torch.optim's layout.
+
+`opt.state[p]` holds views into the flat buffers ("step", the rule's states such as "exp_avg",
+and "master_param" for 16-bit parameters), so the state dict is torch.optim's format plus the
+masters: torch.save writes each flat buffer once, `torch.load(..., weights_only=True)` reads it
+back, and a torch.optim state dict of the same parameters loads too. Loading copies into the
+live buffers, so the flat views and the compiled step stay valid.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from fxamp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fxamp.optim.optimizer import FusedOptimizer
+
+__all__ = ["expose_state", "state_dict", "load_state_dict"]
+
+log = logging.getLogger(__name__)
+
+
+def expose_state(opt: "FusedOptimizer") -> None:
+    """Fill `opt.state[p]` with per-parameter views of the flat state buffers."""
+    keys = opt.algorithm.state_keys
+    for bucket, states in zip(opt.buckets, opt._states):
+        per_key = [(k, bucket.views(s)) for k, s in zip(keys, states)]
+        masters = None if bucket.master is None else bucket.views(bucket.master)
+        for i, p in enumerate(bucket.params):
+            entry: dict[str, Any] = {"step": opt._step_count}
+            entry.update((k, views[i]) for k, views in per_key)
+            if masters is not None:
+                entry["master_param"] = masters[i]
+            opt.state[p] = entry
+
+
+def _param_ids(opt: "FusedOptimizer") -> dict[int, int]:
+    # torch.optim numbers parameters in param_groups order.
+    ids: dict[int, int] = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            ids.setdefault(id(p), len(ids))
+    return ids
+
+
+def state_dict(opt: "FusedOptimizer") -> dict[str, Any]:
+    ids = _param_ids(opt)
+    groups = []
+    for group in opt.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [ids[id(p)] for p in group["params"]]
+        groups.append(packed)
+    state = {ids[id(p)]: dict(entry) for p, entry in opt.state.items()}
+    return {"state": state, "param_groups": groups}
+
+
+def load_state_dict(opt: "FusedOptimizer", sd: dict[str, Any]) -> None:
+    saved_groups = sd.get("param_groups")
+    if saved_groups is None or "state" not in sd:
+        raise ConfigError(f"not an optimizer state dict: keys {sorted(sd)}; expected 'state' "
+                          "and 'param_groups'")
+    _check_groups(opt, saved_groups)
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for group, saved in zip(opt.param_groups, saved_groups):
+        group.update((k, v) for k, v in saved.items() if k != "params")
+    saw_step = loaded = False
+    with torch.no_grad():
+        for index, entry in sd["state"].items():
+            live = opt.state.get(params[int(index)])
+            if live is None:  # a frozen parameter: not flattened, no state
+                continue
+            saw_step |= "step" in entry
+            loaded |= _load_entry(live, entry, params[int(index)])
+        if loaded and not saw_step:
+            # torch's SGD keeps no step; a loaded momentum buffer means the first step is past.
+            opt._step_count.clamp_(min=1)
+    for bucket in opt.buckets:
+        bucket.mark_params_synced()
+    log.debug("%s: loaded state for %d parameters", type(opt).__name__, len(sd["state"]))
+
+
+def _load_entry(live: dict[str, Any], entry: dict[str, Any], param: torch.Tensor) -> bool:
+    for key, value in entry.items():
+        if key == "step":
+            live["step"].copy_(torch.as_tensor(value, dtype=torch.float32))
+        elif key in live:
+            if tuple(value.shape) != tuple(live[key].shape):
+                raise ConfigError(f"state {key!r} has shape {tuple(value.shape)} in the state "
+                                  f"dict but the parameter has shape {tuple(param.shape)}")
+            live[key].copy_(value)
+        else:
+            log.warning("ignoring state %r: this optimizer keeps no such state", key)
+    if "master_param" in live and "master_param" not in entry:
+        live["master_param"].copy_(param.float())
+    return any(k != "step" for k in entry)
+
+
+def _check_groups(opt: "FusedOptimizer", saved_groups: list[dict[str, Any]]) -> None:
+    if len(saved_groups) != len(opt.param_groups):
+        raise ConfigError(f"the state dict has {len(saved_groups)} param groups, this "
+                          f"{type(opt).__name__} has {len(opt.param_groups)}")
+    for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if len(group["params"]) != len(saved["params"]):
+            raise ConfigError(f"param group {i} of the state dict has {len(saved['params'])} "
+                              f"parameters, this optimizer's has {len(group['params'])}")

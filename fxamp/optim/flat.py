@@ -1,0 +1,189 @@
+"""Flat parameter, gradient and master buffers, one per (param group, dtype).
+
+Like Apex's FP16_Optimizer, every parameter of a bucket becomes a view into one flat buffer
+(`p.data = flat[o:o+n].view_as(p)`) and so does its gradient (`p.grad = flat_grad[...]`): autograd
+accumulates into an existing `.grad` in place, so backward writes straight into the flat
+gradient, and the optimizer step is a handful of kernels over a few long tensors, whatever the
+number of parameters. 16-bit parameters get an fp32 master copy with the same layout.
+
+# Note [Keeping the flat views honest]
+Two things can break a view between steps, and `FlatBucket.sync_from_params` repairs both without
+a host read: `model.zero_grad()` (set_to_none) makes the next backward allocate a fresh `.grad`,
+which is copied into the flat gradient and replaced by the view again; and a write through a
+parameter (e.g. `model.load_state_dict`) bumps `p._version`, after which the master copy is
+refreshed wherever the parameter no longer equals the rounded master.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from fxamp.errors import ConfigError
+
+__all__ = ["FlatBucket", "flatten_param_groups", "LOW_PRECISION", "ALIGN"]
+
+log = logging.getLogger(__name__)
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Each parameter starts on a multiple of ALIGN elements: aligned vector loads for the model's own
+# kernels, and whole chunks of ALIGN for LAMB's per-parameter norms.
+ALIGN = 64
+
+
+class FlatBucket:
+    """The parameters of one param group that share a dtype, flattened.
+
+    Attributes:
+        group_index: index of the param group in the optimizer.
+        params: the model's parameters, whose `.data` and `.grad` are views into this bucket.
+        offsets: start element of each parameter in the flat buffers.
+        param: flat model-dtype parameter buffer.
+        grad: flat model-dtype gradient buffer.
+        master: flat fp32 copy of `param` for 16-bit parameters with master weights, else None.
+    """
+
+    def __init__(self, group_index: int, params: Sequence[torch.nn.Parameter], *,
+                 master_weights: bool) -> None:
+        self.group_index = group_index
+        self.params = list(params)
+        self.offsets, numel = _layout(self.params)
+        ref = self.params[0]
+        self.param = torch.zeros(numel, dtype=ref.dtype, device=ref.device)
+        self.grad = torch.zeros_like(self.param)
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                self.view(self.param, i).copy_(p)
+                if p.grad is not None:
+                    self.view(self.grad, i).copy_(p.grad)
+                p.data = self.view(self.param, i)
+        self.grad_views = self.views(self.grad)
+        for p, g in zip(self.params, self.grad_views):
+            p.grad = g
+        low = master_weights and ref.dtype in LOW_PRECISION
+        self.master = self.param.float() if low else None
+        self.versions = [p._version for p in self.params]
+        self.acc: Optional[torch.Tensor] = None  # fp32 unscaled gradients, see Optimizer.unscale_
+        self._warned_foreign = False
+
+    @property
+    def weights(self) -> torch.Tensor:
+        """The tensor the update reads and writes: the fp32 master, or the parameters."""
+        return self.param if self.master is None else self.master
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.param.dtype
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        p = self.params[i]
+        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of a flat tensor with this bucket's layout."""
+        return [self.view(flat, i) for i in range(len(self.params))]
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        if self.acc is not None:
+            self.acc.zero_()
+        for p, g in zip(self.params, self.grad_views):
+            if p.grad is not g:
+                p.grad = g
+
+    def sync_from_params(self) -> None:
+        """Repair gradient views and stale masters; see Note [Keeping the flat views honest]."""
+        for i, (p, g) in enumerate(zip(self.params, self.grad_views)):
+            if p.grad is not g:
+                self._adopt_grad(i)
+        if self.master is not None:
+            for i, p in enumerate(self.params):
+                if p._version != self.versions[i]:
+                    self._refresh_master(i)
+
+    def _adopt_grad(self, i: int) -> None:
+        p, view = self.params[i], self.grad_views[i]
+        if not self._warned_foreign:
+            self._warned_foreign = True
+            log.info("a .grad was replaced outside the optimizer (model.zero_grad() sets it to "
+                     "None); copying it into the flat buffer. opt.zero_grad() avoids the copy.")
+        with torch.no_grad():
+            if p.grad is None:
+                view.zero_()
+            else:
+                view.copy_(p.grad)
+        p.grad = view
+
+    def _refresh_master(self, i: int) -> None:
+        # Keep the precise master wherever the parameter still equals its rounding.
+        p = self.params[i]
+        with torch.no_grad():
+            master = self.view(self.master, i)
+            master.copy_(torch.where(master.to(p.dtype) == p, master, p.float()))
+        self.versions[i] = p._version
+        log.debug("parameter %d of group %d was written outside the optimizer; master refreshed",
+                  i, self.group_index)
+
+    def mark_params_synced(self) -> None:
+        """Record that the masters now match the parameters (after loading both)."""
+        self.versions = [p._version for p in self.params]
+
+    def state_like(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """A zeroed flat state buffer (optimizer moments) laid out like the weights."""
+        return torch.zeros_like(self.weights, dtype=dtype or self.weights.dtype)
+
+
+def _layout(params: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, pos = [], 0
+    for p in params:
+        offsets.append(pos)
+        pos += -(-p.numel() // ALIGN) * ALIGN
+    return offsets, max(pos, ALIGN)
+
+
+def flatten_param_groups(param_groups: Sequence[dict], *, master_weights: bool,
+                         owner: str) -> list[FlatBucket]:
+    """One FlatBucket per (group, dtype), after checking every parameter can be flattened.
+
+    Raises:
+        ConfigError: for a non-floating, sparse or gradient-free parameter set, or parameters
+            on more than one device; the message names the parameter.
+    """
+    _check_devices(param_groups, owner)
+    buckets = []
+    for gi, group in enumerate(param_groups):
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for pi, p in enumerate(group["params"]):
+            _check_param(p, gi, pi, owner)
+            if p.requires_grad:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        for params in by_dtype.values():
+            buckets.append(FlatBucket(gi, params, master_weights=master_weights))
+    log.debug("%s: %d buckets, %d parameters", owner, len(buckets),
+              sum(len(b.params) for b in buckets))
+    return buckets
+
+
+def _check_param(p: torch.Tensor, gi: int, pi: int, owner: str) -> None:
+    where = f"{owner}: parameter {pi} of param group {gi} (shape {tuple(p.shape)})"
+    if p.dtype not in FLOATING:
+        raise ConfigError(f"{where} has dtype {p.dtype}; only floating-point parameters "
+                          "(float16, bfloat16, float32, float64) can be optimized")
+    if p.is_sparse or p.layout != torch.strided:
+        raise ConfigError(f"{where} has layout {p.layout}; only dense (strided) parameters "
+                          "can be flattened")
+
+
+def _check_devices(param_groups: Iterable[dict], owner: str) -> None:
+    counts: dict[str, int] = {}
+    for group in param_groups:
+        for p in group["params"]:
+            counts[str(p.device)] = counts.get(str(p.device), 0) + 1
+    if len(counts) > 1:
+        found = ", ".join(f"{d} ({n} tensors)" for d, n in counts.items())
+        raise ConfigError(f"{owner}: parameters are on more than one device: {found}. The step, "
+                          "loss scale and overflow flag live on one device; build one optimizer "
+                          "per device")

@@ -1,0 +1,109 @@
+"""The fused mixed-precision step as two pure functions of flat tensors, compiled once each.
+
+# Note [Hoisting per-step scalars]
+Inductor inlines pointwise producers into their consumers. If the bias corrections, the clip
+coefficient and the skip flag were computed in the same graph as the elementwise update, its
+vectorised loop would recompute `pow(beta, step)` and the divisions for every element (2.6-3.4x
+slower on CPU, ../../../shared/reference/MEASURED_HERE.md). So the step is two graphs:
+`prologue` does the one read-only reduction over the gradients (overflow flag, and the norm when
+clipping), advances the step count and the loss scale, and turns the hyperparameters into a
+[groups, K] tensor of scalars; `update` reads a row of that tensor per bucket and makes one
+elementwise pass over gradients, weights and states.
+
+# Note [Skipping without a host read]
+Overflow never leaves the device. The prologue advances the step count by `~found_inf`, and the
+update writes `where(skip, old, new)` into every weight, state and model parameter, so a skipped
+step leaves all of them bit-identical (the model copy is the cast of an unchanged master). The
+Python side only learns about it when someone asks (`last_step_skipped()`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from fxamp.optim.loss_scaler import ScaleRule, next_scale_state
+
+__all__ = ["prologue", "update", "fold_grads", "compiled"]
+
+Tensor = torch.Tensor
+# Columns the prologue appends to every group's row of scalars.
+GRAD_SCALE, SKIP = -2, -1
+
+
+def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Tensor,
+             norm_out: Tensor, scaler_state: Optional[tuple[Tensor, Tensor, Tensor]],
+             found_in: Optional[Tensor], *,
+             coefs_fn: Callable[[Tensor, Tensor], Tensor], check: bool,
+             max_norm: Optional[float], rule: Optional[ScaleRule]) -> Tensor:
+    """Reductions and per-step scalars; returns the [groups, K + 2] scalars for `update`.
+
+    `found_in` is an overflow already seen (by `fold_grads`); the scale update only runs for
+    `scaler_state`, whose scale the gradients carry.
+    """
+    found = torch.zeros((), dtype=torch.bool, device=step.device)
+    if found_in is not None:
+        found = found | found_in
+    if check:
+        for g in grads:
+            found = found | ~torch.isfinite(g).all()
+    inv_scale = torch.ones((), dtype=torch.float32, device=step.device)
+    if scaler_state is not None:
+        inv_scale = scaler_state[0].double().reciprocal().float()  # as GradScaler does
+    grad_scale = inv_scale
+    if max_norm is not None:  # torch.nn.utils.clip_grad_norm_'s formula, on unscaled grads
+        norm = sum((g.float() * inv_scale).square().sum() for g in grads).sqrt()
+        norm_out.copy_(norm)
+        grad_scale = inv_scale * (max_norm / (norm + 1e-6)).clamp_max(1.0)
+    new_step = step + (~found).to(step.dtype)
+    coefs = coefs_fn(hyper, new_step).float()
+    tail = torch.stack([grad_scale, found.float()]).expand(coefs.shape[0], 2)
+    step.copy_(new_step)
+    found_out.copy_(found)
+    if scaler_state is not None and rule is not None and rule.dynamic:
+        for dst, src in zip(scaler_state, next_scale_state(*scaler_state, found, rule)):
+            dst.copy_(src)
+    return torch.cat([coefs, tail], 1)
+
+
+def update(weights: Sequence[Tensor], grads: Sequence[Tensor],
+           states: Sequence[Sequence[Tensor]], models: Sequence[Optional[Tensor]],
+           coefs: Tensor, groups: Sequence[int], aux: Sequence[tuple], *,
+           update_fn: Callable) -> None:
+    """One elementwise pass per bucket: unscale and clip the gradient, apply the rule, select
+    the old values when skipping, write the weights, the states and the model copy."""
+    for w, g, st, model, gi, ax in zip(weights, grads, states, models, groups, aux):
+        c = coefs[gi]
+        skip = c[SKIP] != 0
+        w32 = w.float()
+        new_w, new_st = update_fn(w32, g.float() * c[GRAD_SCALE],
+                                  tuple(s.float() for s in st), c, *ax)
+        new_w = torch.where(skip, w32, new_w)
+        w.copy_(new_w)
+        for s, new in zip(st, new_st):
+            s.copy_(torch.where(skip, s.float(), new))
+        if model is not None:
+            model.copy_(new_w)
+
+
+def fold_grads(raws: Sequence[Tensor], accs: Sequence[Tensor], scale: Tensor,
+               found: Tensor) -> None:
+    """acc += raw / scale and raw = 0, OR-ing raw's overflow into `found` (several losses)."""
+    inv_scale = scale.double().reciprocal().float()
+    flag = found
+    for raw, acc in zip(raws, accs):
+        flag = flag | ~torch.isfinite(raw).all()
+        acc.add_(raw.float() * inv_scale)
+        raw.zero_()
+    found.copy_(flag)
+
+
+def _compile(fn):
+    # One cache entry per structure (number of buckets, dtypes, rule, clipping); sizes become
+    # dynamic after the first change, so many optimizers share few graphs.
+    return torch.compile(fn, fullgraph=True, recompile_limit=64)
+
+
+compiled = {fn.__name__: _compile(fn) for fn in (prologue, update, fold_grads)}
+eager = {fn.__name__: fn for fn in (prologue, update, fold_grads)}

@@ -1,0 +1,220 @@
+"""FusedOptimizer: flat buffers, a loss scale and one compiled step for any update rule.
+
+The step is `prologue` + `update` from fused_step.py, compiled once per structure and shared by
+every optimizer of that structure. Nothing in `step` reads a device value: hyperparameters go to
+the device only when they change (an lr scheduler costs one scalar fill per group per step), and
+whether the step was skipped stays on the device until `last_step_skipped()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from fxamp.errors import ConfigError
+from fxamp.optim import checkpoint, fused_step
+from fxamp.optim.algorithms import Algorithm
+from fxamp.optim.flat import FlatBucket, flatten_param_groups
+from fxamp.optim.loss_scaler import LossScaler
+
+__all__ = ["FusedOptimizer"]
+
+log = logging.getLogger(__name__)
+
+
+class FusedOptimizer(torch.optim.Optimizer):
+    """Base of fxamp's Adam, AdamW, SGD and LAMB; subclasses set `algorithm` and the defaults.
+
+    Every parameter with `requires_grad` becomes a view into a flat buffer per (group, dtype);
+    16-bit parameters get fp32 masters when `master_weights` is set. Every such parameter takes
+    part in every step: one that got no gradient steps with a zero gradient (as in Apex's
+    FP16_Optimizer and DeepSpeed), where torch.optim would skip it. Freeze parameters with
+    `requires_grad=False` before building the optimizer to leave them out.
+    """
+
+    algorithm: Algorithm
+
+    def __init__(self, params: Any, defaults: dict[str, Any], *,
+                 max_grad_norm: Optional[float] = None, master_weights: bool = True,
+                 compile: bool = True) -> None:
+        self._buckets: Optional[list[FlatBucket]] = None
+        super().__init__(params, defaults)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm={max_grad_norm!r} must be a positive number or None")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.master_weights = master_weights
+        self._fns = fused_step.compiled if compile else fused_step.eager
+        self._buckets = flatten_param_groups(self.param_groups, master_weights=master_weights,
+                                             owner=type(self).__name__)
+        device = self.param_groups[0]["params"][0].device
+        self._init_device_state(device)
+        self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
+        self._raw_scaler: Optional[LossScaler] = None  # the scale the raw grads carry
+        self._involved: list[LossScaler] = []  # scalers folded into the fp32 grads this step
+        checkpoint.expose_state(self)
+
+    def _init_device_state(self, device: torch.device) -> None:
+        rows = [self.algorithm.hyper_row(g) for g in self.param_groups]
+        self._hyper_seen: list[Optional[tuple]] = list(rows)
+        self._hyper = torch.tensor(rows, dtype=torch.float64).to(device)
+        self._step_count = torch.zeros((), dtype=torch.float32, device=device)
+        self.found_inf = torch.zeros((), dtype=torch.bool, device=device)
+        """Whether the last step was skipped, as a 0-dim device tensor."""
+        self.grad_norm = torch.full((), float("nan"), device=device)
+        """Total norm of the unscaled gradients at the last step (only with max_grad_norm)."""
+        self._states = [
+            tuple(b.state_like() for _ in self.algorithm.state_keys)
+            if self.algorithm.has_state(self.param_groups[b.group_index]) else ()
+            for b in self._buckets]
+        self._aux = [self.algorithm.aux(b) for b in self._buckets]
+        self._device = device
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._buckets is not None:
+            raise ConfigError(f"{type(self).__name__} flattens its parameters when it is built, "
+                              "so add_param_group afterwards is not supported; build a new "
+                              "optimizer with all the groups")
+        super().add_param_group(param_group)
+
+    @property
+    def buckets(self) -> list[FlatBucket]:
+        """The flat buffers, one per (param group, dtype)."""
+        return self._buckets
+
+    @torch.no_grad()
+    def step(self, scaler: Optional[LossScaler] = None, *,
+             closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Unscale, check, clip, update, skip on overflow and advance the loss scale, fused.
+
+        Args:
+            scaler: the LossScaler whose scale the gradients carry; defaults to the one the last
+                `fxamp.optim.scale_loss` used, then to the first of `initialize`'s scalers. None:
+                the gradients are unscaled (no overflow check unless `max_grad_norm` is set).
+            closure: torch.optim's closure, re-evaluating the loss; not with a dynamic scale.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        if callable(scaler) and not isinstance(scaler, LossScaler):
+            scaler, closure = None, scaler  # torch.optim's positional closure
+        pending = scaler or self._raw_scaler  # the scale the raw gradients carry, if known
+        scaler = pending or self._default_scaler()
+        loss = self._call_closure(closure, scaler)
+        if not self._buckets:
+            return loss
+        self._sync_hyper()
+        for bucket in self._buckets:
+            bucket.sync_from_params()
+        if self._involved:
+            self._step_from_folded(pending)
+        else:
+            self._fused_step([b.grad for b in self._buckets], scaler,
+                             check=scaler is not None or self.max_grad_norm is not None)
+        self._raw_scaler = None
+        return loss
+
+    def _default_scaler(self) -> Optional[LossScaler]:
+        return self.loss_scalers[0] if self.loss_scalers else None
+
+    def _call_closure(self, closure, scaler: Optional[LossScaler]) -> Any:
+        if closure is None:
+            return None
+        if scaler is not None and scaler.dynamic:
+            raise ConfigError(
+                "step(closure) cannot be used with dynamic loss scaling: the closure's backward "
+                "would run before the step decides the scale (Apex refuses closures too); run "
+                "the backward yourself and call step(scaler)")
+        with torch.enable_grad():
+            return closure()
+
+    def _fused_step(self, grads, scaler: Optional[LossScaler], *, check: bool,
+                    found_in: Optional[torch.Tensor] = None) -> None:
+        state = None if scaler is None else scaler.state_tensors(self._device)
+        coefs = self._fns["prologue"](
+            grads, self._hyper, self._step_count, self.found_inf, self.grad_norm, state, found_in,
+            coefs_fn=self.algorithm.coefs, check=check, max_norm=self.max_grad_norm,
+            rule=None if scaler is None else scaler.rule)
+        b = self._buckets
+        self._fns["update"](
+            [x.weights for x in b], grads, self._states,
+            [None if x.master is None else x.param for x in b], coefs,
+            tuple(x.group_index for x in b), self._aux, update_fn=self.algorithm.update)
+
+    def _sync_hyper(self) -> None:
+        for gi, group in enumerate(self.param_groups):
+            row = self.algorithm.hyper_row(group)
+            seen = self._hyper_seen[gi]
+            if row == seen:
+                continue
+            for k, value in enumerate(row):
+                if seen is None or value != seen[k]:
+                    self._hyper[gi, k].fill_(value)  # a device fill, never a blocking copy
+            self._hyper_seen[gi] = row
+
+    # ------------------------------------------------------------------ several losses / Apex
+    def unscale_(self, scaler: Optional[LossScaler] = None) -> None:
+        """Fold the gradients so far, divided by `scaler`'s scale, into fp32 buffers.
+
+        Needed only when gradients from losses with different scalers meet in one step, or to
+        read unscaled gradients (`fxamp.optim.master_params`); `step` folds the rest and skips
+        if any folded scaler saw an overflow. Each scaler then moves by its own overflow.
+        """
+        scaler = scaler or self._raw_scaler or self._default_scaler() or self._unit_scaler()
+        for b in self._buckets:
+            if b.acc is None:
+                b.acc = torch.zeros(b.grad.shape, dtype=torch.float32, device=self._device)
+            b.sync_from_params()
+        scale, found = scaler.state_tensors(self._device)[0], scaler.round_found(self._device)
+        self._fns["fold_grads"]([b.grad for b in self._buckets], [b.acc for b in self._buckets],
+                                scale, found)
+        if scaler not in self._involved:
+            self._involved.append(scaler)
+            scaler.join_round(id(self))
+        self._raw_scaler = None
+
+    def _step_from_folded(self, pending: Optional[LossScaler]) -> None:
+        if pending is not None:
+            self.unscale_(pending)
+        found = torch.stack([s.round_found(self._device) for s in self._involved]).any()
+        self._fused_step([b.acc for b in self._buckets], None, check=True, found_in=found)
+        for b in self._buckets:
+            b.acc.zero_()
+        for s in self._involved:
+            s.leave_round(id(self))
+        self._involved = []
+
+    def _unit_scaler(self) -> LossScaler:
+        if not hasattr(self, "_unit"):
+            self._unit = LossScaler(1.0)
+        return self._unit
+
+    def before_backward(self, scaler: LossScaler) -> None:
+        """Called by scale_loss: fold raw gradients that carry another scaler's scale."""
+        if self._raw_scaler is not None and self._raw_scaler is not scaler:
+            self.unscale_(self._raw_scaler)
+
+    def after_backward(self, scaler: LossScaler) -> None:
+        self._raw_scaler = scaler
+
+    # ------------------------------------------------------------------------------ plumbing
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradients in place; `set_to_none` is accepted and ignored, because the
+        `.grad` views must stay in the flat buffer."""
+        for bucket in self._buckets:
+            bucket.zero_grad()
+
+    def last_step_skipped(self) -> bool:
+        """Whether the last step was skipped for inf/nan gradients. Reads the device flag."""
+        return bool(self.found_inf.item())
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch.optim's layout (per-parameter "step" and states, "param_groups") plus each
+        16-bit parameter's fp32 "master_param"; values are views of the live buffers."""
+        return checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load fxamp's or torch.optim's state dict (masters come from the parameters when the
+        dict has none) into the existing flat buffers."""
+        checkpoint.load_state_dict(self, state_dict)

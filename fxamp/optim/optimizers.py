@@ -1,0 +1,120 @@
+"""fxamp's Adam, AdamW, SGD and LAMB: torch.optim's (and Apex FusedLAMB's) rules, one fused
+compiled step over flat buffers, with loss scaling, fp32 masters and gradient clipping built in."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from fxamp.errors import ConfigError
+from fxamp.optim import algorithms
+from fxamp.optim.optimizer import FusedOptimizer
+
+__all__ = ["Adam", "AdamW", "SGD", "LAMB"]
+
+_COMMON_ARGS = """
+        max_grad_norm: clip the total norm of the unscaled gradients to this value inside the
+            step (torch.nn.utils.clip_grad_norm_'s formula); the norm is kept in `grad_norm`.
+        master_weights: keep fp32 master copies of float16/bfloat16 parameters (default True).
+        compile: compile the step with torch.compile (Inductor); False runs the same functions
+            eagerly."""
+
+
+def _check_betas(betas: Any, lr: Any, eps: Any) -> None:
+    if not 0.0 <= float(lr):
+        raise ConfigError(f"lr={lr!r} must be >= 0")
+    if not 0.0 <= float(eps):
+        raise ConfigError(f"eps={eps!r} must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
+        raise ConfigError(f"betas={betas!r} must be two numbers in [0, 1)")
+
+
+class Adam(FusedOptimizer):
+    __doc__ = f"""torch.optim.Adam (L2 weight decay) as one fused, compiled mixed-precision step.
+
+    Args:
+        params: parameters or param groups, as for torch.optim.
+        lr, betas, eps, weight_decay: as torch.optim.Adam; per group, and changeable between
+            steps (an lr scheduler) without recompiling.{_COMMON_ARGS}
+    """
+
+    algorithm = algorithms.ADAM
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, *,
+                 max_grad_norm: Optional[float] = None, master_weights: bool = True,
+                 compile: bool = True) -> None:
+        _check_betas(betas, lr, eps)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm,
+                         master_weights=master_weights, compile=compile)
+
+
+class AdamW(Adam):
+    __doc__ = f"""torch.optim.AdamW (decoupled weight decay) as one fused, compiled step.
+
+    Args:
+        params: parameters or param groups, as for torch.optim.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (weight_decay defaults to 0.01).
+            {_COMMON_ARGS}
+    """
+
+    algorithm = algorithms.ADAMW
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
+
+
+class SGD(FusedOptimizer):
+    __doc__ = f"""torch.optim.SGD (momentum, dampening, Nesterov, L2 decay) as one fused step.
+
+    Args:
+        params: parameters or param groups, as for torch.optim.
+        lr, momentum, dampening, weight_decay, nesterov: as torch.optim.SGD. A group keeps a
+            momentum buffer only if its momentum is non-zero when the optimizer is built.
+            {_COMMON_ARGS}
+    """
+
+    algorithm = algorithms.SGD
+
+    def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
+                 max_grad_norm: Optional[float] = None, master_weights: bool = True,
+                 compile: bool = True) -> None:
+        if not 0.0 <= float(lr) or not 0.0 <= float(momentum):
+            raise ConfigError(f"lr={lr!r} and momentum={momentum!r} must be >= 0")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ConfigError("nesterov=True needs momentum > 0 and dampening = 0 "
+                              f"(got momentum={momentum!r}, dampening={dampening!r})")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm,
+                         master_weights=master_weights, compile=compile)
+
+
+class LAMB(FusedOptimizer):
+    __doc__ = f"""Apex FusedLAMB (adam_w_mode=True) as one fused, compiled step.
+
+    The Adam direction plus decoupled weight decay, scaled per parameter tensor by the trust
+    ratio ||w|| / ||update|| (applied when weight_decay != 0 or use_nvlamb, as in Apex), after
+    global gradient-norm clipping (max_grad_norm=1.0 by default, as in Apex).
+
+    Args:
+        params: parameters or param groups, as for torch.optim.
+        lr, betas, eps, weight_decay, grad_averaging, use_nvlamb, bias_correction: as Apex's
+            FusedLAMB.{_COMMON_ARGS}
+    """
+
+    algorithm = algorithms.LAMB
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.01, *, grad_averaging: bool = True,
+                 use_nvlamb: bool = False, bias_correction: bool = True,
+                 max_grad_norm: Optional[float] = 1.0, master_weights: bool = True,
+                 compile: bool = True) -> None:
+        _check_betas(betas, lr, eps)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                        grad_averaging=grad_averaging, use_nvlamb=use_nvlamb,
+                        bias_correction=bias_correction)
+        super().__init__(params, defaults, max_grad_norm=max_grad_norm,
+                         master_weights=master_weights, compile=compile)
