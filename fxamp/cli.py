@@ -7,9 +7,9 @@ current directory first, then on PYTHONPATH. For example:
     python -m fxamp explain examples.models:mlp --opt-level O2 --backward
 
 Exit status: 0 after printing the report; 2 for bad input (a target that cannot be loaded, or
-an option fxamp refuses, with fxamp's ConfigError message); 1 when fxamp refuses an op of the
-model (BannedOpError, whose message names the safe alternative). Either error is one line on
-stderr; anything else is a bug in the model or in fxamp, and keeps its traceback.
+an option fxamp refuses, with fxamp's ConfigError message); 1 when fxamp refuses the model
+(an FxampError such as BannedOpError, whose message names the node and the fix). Either error
+is one line on stderr; anything else is a bug in the model or in fxamp and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import sys
 from typing import Any, Optional, Sequence
 
 import torch
+from torch._dynamo.exc import BackendCompilerFailed
 
 from fxamp.config import OPT_LEVELS, POLICY_PRESETS, AmpConfig
-from fxamp.errors import BannedOpError, ConfigError
+from fxamp.errors import ConfigError, FxampError
 from fxamp.explain import explain
 from fxamp.rules import check_op_override_keys
 
@@ -128,6 +129,19 @@ def _run_explain(args: argparse.Namespace) -> str:
     return str(explain(model, *inputs, config=config, backward=args.backward))
 
 
+def _refusal(error: BaseException) -> Optional[FxampError]:
+    # Dynamo wraps whatever a backend raises in BackendCompilerFailed; fxamp's own refusals
+    # (a banned op, batch_norm statistics it cannot cast) are on `inner_exception`. An
+    # FxampError wrapping another exception is an internal failure: it keeps its traceback.
+    if isinstance(error, BackendCompilerFailed):
+        error = error.inner_exception
+    return error if isinstance(error, FxampError) and error.__cause__ is None else None
+
+
+def _fail(parser: argparse.ArgumentParser, status: int, error: BaseException) -> None:
+    parser.exit(status, f"{_PROG}: error: {' '.join(str(error).split())}\n")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of `python -m fxamp`; returns the exit status."""
     parser = build_parser()
@@ -135,8 +149,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         report = _run_explain(args)
     except (TargetError, ConfigError) as e:
-        parser.exit(2, f"{_PROG}: error: {e}\n")
-    except BannedOpError as e:
-        parser.exit(1, f"{_PROG}: error: {e}\n")
+        _fail(parser, 2, e)
+    except Exception as e:
+        refusal = _refusal(e)
+        if refusal is None:
+            raise
+        _fail(parser, 1, refusal)
     sys.stdout.write(report + "\n")
     return 0

@@ -1,4 +1,4 @@
-"""`python -m fxamp explain`, run as users run it: in a subprocess from the repository root."""
+"""`python -m fxamp explain`: end to end in a subprocess, error paths in-process (faster)."""
 
 import os
 import subprocess
@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from fxamp.cli import main
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -14,6 +16,13 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "fxamp", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
+
+
+def run_main(capsys, *args: str) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(list(args))
+    out, err = capsys.readouterr()
+    return exit_info.value.code, out, err
 
 
 def test_explain_mlp_o2():
@@ -29,26 +38,57 @@ def test_explain_mlp_o2():
     assert len(linears) == 2 and all("-> bf16" in line for line in linears)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--opt-level", "01"], "opt_level '01' is not one of 'O0', 'O1', 'O2', 'O3' "
-                            "(the prefix is the letter O, not the number zero"),
-    (["--keep-batchnorm-fp32", "True"], "keep_batchnorm_fp32 cannot be set with O1"),
-])
-def test_bad_option_exits_2_with_one_line(args, message):
-    result = run_cli("explain", "examples.models:mlp", *args)
+def test_zero_for_letter_o_exits_2_with_one_line():
+    result = run_cli("explain", "examples.models:mlp", "--opt-level", "01")
     assert result.returncode == 2
-    assert result.stderr.startswith(f"python -m fxamp: error: {message}")
-    assert len(result.stderr.splitlines()) == 1 and "Traceback" not in result.stderr
+    assert result.stderr == (
+        "python -m fxamp: error: opt_level '01' is not one of 'O0', 'O1', 'O2', 'O3' "
+        "(the prefix is the letter O, not the number zero, in upper case)\n")
     assert result.stdout == ""
 
 
-@pytest.mark.parametrize("target, message", [
-    ("examples.models", "TARGET 'examples.models' is not 'package.module:factory'"),
-    ("examples.no_such_module:mlp", "cannot import 'examples.no_such_module'"),
-    ("examples.models:no_such_factory", "'examples.models' has no callable 'no_such_factory'"),
+@pytest.mark.parametrize("args, message", [
+    (["examples.models"], "TARGET 'examples.models' is not 'package.module:factory'"),
+    (["examples.no_such_module:mlp"], "cannot import 'examples.no_such_module'"),
+    (["examples.models:no_such_factory"],
+     "'examples.models' has no callable 'no_such_factory'"),
+    (["examples.models:MLP"], "examples.models:MLP() returned MLP, not (model, "),
+    (["examples.models:mlp", "--keep-batchnorm-fp32", "True"],
+     "keep_batchnorm_fp32 cannot be set with O1"),
+    (["examples.models:mlp", "--op-override", "aten.no_such_op=fp32"],
+     "op_overrides key 'aten.no_such_op' is not an ATen op"),
+    (["examples.models:mlp", "--module-override", "fc1"], "'fc1' is not KEY=POLICY"),
 ])
-def test_bad_target_exits_2(target, message):
-    result = run_cli("explain", target)
-    assert result.returncode == 2
-    assert result.stderr.startswith(f"python -m fxamp: error: {message}")
-    assert len(result.stderr.splitlines()) == 1
+def test_bad_input_exits_2_with_one_line(capsys, args, message):
+    code, out, err = run_main(capsys, "explain", *args)
+    assert code == 2 and out == ""
+    assert message in err and err.startswith("python -m fxamp")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+BCE_MODEL = """
+import torch
+import torch.nn.functional as F
+
+
+class Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 1)
+
+    def forward(self, x, y):
+        return F.binary_cross_entropy(torch.sigmoid(self.fc(x)), y)
+
+
+def bce():
+    return Classifier(), (torch.randn(4, 8), torch.rand(4, 1))
+"""
+
+
+def test_banned_op_exits_1_with_the_fix(capsys, tmp_path, monkeypatch):
+    (tmp_path / "fxamp_cli_bce_model.py").write_text(BCE_MODEL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = run_main(capsys, "explain", "fxamp_cli_bce_model:bce", "--policy", "apex")
+    assert code == 1 and out == ""
+    assert err.startswith("python -m fxamp: error: aten.binary_cross_entropy.default")
+    assert "binary_cross_entropy_with_logits" in err and err.count("\n") == 1
