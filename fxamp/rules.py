@@ -126,8 +126,9 @@ def choose_policy(node: torch.fx.Node, config: AmpConfig) -> tuple[CastPolicy, s
         if config.keep_batchnorm_fp32:
             return CastPolicy.FP32, "keep_batchnorm_fp32"
         return CastPolicy.LOWER, f"{config.opt_level} batch_norm in the model dtype"
-    if config.patch_torch_functions:
-        policy = preset_table(config.policy).get(op)
-        if policy is not None:
-            return policy, f"{config.policy} table"
+    if not config.patch_torch_functions:
+        return CastPolicy.KEEP, f"{config.opt_level} casts no ops: runs in its inputs' dtype"
+    policy = preset_table(config.policy).get(op)
+    if policy is not None:
+        return policy, f"{config.policy} table"
     return CastPolicy.KEEP, "not in the table: runs in its inputs' dtype"
