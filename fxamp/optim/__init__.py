@@ -1,7 +1,29 @@
-"""Compiled mixed-precision optimizers, loss scaling and Apex-style entry points."""
+"""Compiled mixed-precision optimizers, loss scaling and Apex-style entry points.
 
+`Adam`, `AdamW`, `SGD` and `LAMB` step flat buffers with one compiled graph pair (unscale,
+overflow check, clipping, update, skip, master -> model copy, loss-scale update; no host read);
+`LossScaler` holds a static or dynamic scale on the device; `initialize`, `scale_loss`,
+`master_params`, `FP16_Optimizer` and the amp state dict helpers mirror Apex.
+"""
+
+from fxamp.optim.apex import (amp_state_dict, initialize, load_amp_state_dict, master_params,
+                              scale_loss)
+from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.optim.optimizers import LAMB, SGD, Adam, AdamW
 
-__all__ = ["Adam", "AdamW", "SGD", "LAMB", "FusedOptimizer", "LossScaler"]
+__all__ = [
+    "Adam",
+    "AdamW",
+    "SGD",
+    "LAMB",
+    "FP16_Optimizer",
+    "FusedOptimizer",
+    "LossScaler",
+    "initialize",
+    "scale_loss",
+    "master_params",
+    "amp_state_dict",
+    "load_amp_state_dict",
+]

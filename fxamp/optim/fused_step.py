@@ -89,12 +89,16 @@ def update(weights: Sequence[Tensor], grads: Sequence[Tensor],
 
 def fold_grads(raws: Sequence[Tensor], accs: Sequence[Tensor], scale: Tensor,
                found: Tensor) -> None:
-    """acc += raw / scale and raw = 0, OR-ing raw's overflow into `found` (several losses)."""
+    """acc += raw / scale and raw = 0, OR-ing raw's overflow into `found`.
+
+    Gradients of losses with different scales meet here (several losses, Apex's master grads);
+    `found` is the scaler's flag for the current step.
+    """
     inv_scale = scale.double().reciprocal().float()
     flag = found
     for raw, acc in zip(raws, accs):
         flag = flag | ~torch.isfinite(raw).all()
-        acc.add_(raw.float() * inv_scale)
+        acc.add_(raw.to(acc.dtype) * inv_scale)
         raw.zero_()
     found.copy_(flag)
 

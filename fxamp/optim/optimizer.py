@@ -161,6 +161,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         read unscaled gradients (`fxamp.optim.master_params`); `step` folds the rest and skips
         if any folded scaler saw an overflow. Each scaler then moves by its own overflow.
         """
+        if scaler is None and self._raw_scaler is None and self._involved:
+            return  # everything since the last backward is folded already
         scaler = scaler or self._raw_scaler or self._default_scaler() or self._unit_scaler()
         for b in self._buckets:
             if b.acc is None:

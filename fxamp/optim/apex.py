@@ -1,0 +1,244 @@
+"""Apex amp's entry points for people migrating: initialize, scale_loss, master_params and the
+amp state dict, with no global state: the loss scalers live on the optimizers `initialize`
+returns, shared by all of them (Apex's `_amp_state.loss_scalers`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Optional, Sequence, Union
+
+import torch
+
+from fxamp.config import AmpConfig
+from fxamp.errors import ConfigError
+from fxamp.optim import optimizers
+from fxamp.optim.fp16_optimizer import FP16_Optimizer
+from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.optimizer import FusedOptimizer
+
+__all__ = ["initialize", "scale_loss", "master_params", "amp_state_dict", "load_amp_state_dict"]
+
+log = logging.getLogger(__name__)
+
+Models = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
+
+
+def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool = True,
+               opt_level: str = "O1", num_losses: int = 1, verbosity: int = 1,
+               **overrides: Any):
+    """Apex's `amp.initialize`: compile the model(s) for an opt level and return fused
+    mixed-precision optimizers in place of the given ones.
+
+    torch's Adam, AdamW and SGD (without amsgrad, maximize or differentiable) become fxamp's
+    fused Adam, AdamW and SGD with the same param groups; any other optimizer is wrapped in
+    FP16_Optimizer. Build lr schedulers on the returned optimizers.
+
+    Args:
+        models: a module or a list of modules; each is compiled with `fxamp.compile`.
+        optimizers: a torch optimizer, a list of them, or None (inference).
+        enabled: False returns the arguments unchanged.
+        opt_level: "O0", "O1", "O2" or "O3".
+        num_losses: number of loss scalers, picked by `scale_loss(..., loss_id=k)`.
+        verbosity: 0 keeps the INFO log quiet.
+        **overrides: Apex's property overrides (cast_model_type, keep_batchnorm_fp32,
+            master_weights, loss_scale, cast_model_outputs, min_loss_scale, max_loss_scale) and
+            fxamp's AmpConfig keywords.
+
+    Returns:
+        Mirrors the input: `model, opt`, `[m1, m2], opt`, `model, [o1, o2]`, or the model(s)
+        alone when `optimizers` is None.
+
+    Raises:
+        ConfigError: bad opt level or override, an optimizer passed twice, a model wrapped in
+            DistributedDataParallel.
+    """
+    if not enabled:
+        return models if optimizers is None else (models, optimizers)
+    config = AmpConfig.from_opt_level(opt_level, num_losses=num_losses, **overrides)
+    model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
+    opt_list, opts_was_list = _as_list(optimizers, object, "optimizers")
+    _check_models(model_list)
+    _check_optimizers(opt_list)
+    from fxamp.backend import compile as _compile  # lazily: the backend imports the passes
+    compiled = [_compile(m, config=config) for m in model_list]
+    scalers = [LossScaler(config.loss_scale, min_loss_scale=config.min_loss_scale,
+                          max_loss_scale=config.max_loss_scale) for _ in range(num_losses)]
+    converted = [_convert(o, config, scalers) for o in opt_list]
+    (log.info if verbosity else log.debug)(
+        "initialize(%s): %d model(s), optimizers %s, %d loss scaler(s)", opt_level,
+        len(compiled), [type(o).__name__ for o in converted], num_losses)
+    out_models = compiled if models_was_list else compiled[0]
+    if optimizers is None:
+        return out_models
+    return out_models, (converted if opts_was_list else converted[0])
+
+
+def _as_list(value: Any, kind: type, what: str) -> tuple[list, bool]:
+    if value is None:
+        return [], False
+    if isinstance(value, (list, tuple)):
+        return list(value), True
+    if kind is torch.nn.Module and not isinstance(value, kind):
+        raise ConfigError(f"{what} must be a module or a list of modules, not "
+                          f"{type(value).__name__}")
+    return [value], False
+
+
+def _check_models(models: list) -> None:
+    for i, model in enumerate(models):
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(f"models[{i}] is a {type(model).__name__}, not a torch.nn.Module")
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            raise ConfigError(f"models[{i}] is already wrapped in DistributedDataParallel; call "
+                              "initialize first and wrap the returned model afterwards")
+
+
+def _check_optimizers(opts: list) -> None:
+    seen: dict[int, int] = {}
+    for i, opt in enumerate(opts):
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise ConfigError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch "
+                              "optimizer (pass bare optimizers, not FP16_Optimizer)")
+        if id(opt) in seen:
+            raise ConfigError(f"optimizers[{seen[id(opt)]}] and optimizers[{i}] are the same "
+                              f"{type(opt).__name__}: an optimizer passed twice would be "
+                              "converted twice; pass each optimizer once")
+        seen[id(opt)] = i
+
+
+_NATIVE = {torch.optim.AdamW: optimizers.AdamW, torch.optim.Adam: optimizers.Adam,
+           torch.optim.SGD: optimizers.SGD}
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable")
+_DROPPED_KEYS = ("foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad",
+                 "decoupled_weight_decay", "initial_lr", "param_names")
+
+
+def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossScaler]):
+    master_weights = config.master_weights is not False
+    native = _native_class(opt)
+    if native is not None:
+        groups = [{k: v for k, v in g.items() if k not in _DROPPED_KEYS}
+                  for g in opt.param_groups]
+        new = native(groups, master_weights=master_weights,
+                     **({"max_grad_norm": opt.max_grad_norm}
+                        if isinstance(opt, FusedOptimizer) else {}))
+        if _has_state(opt):
+            log.warning("%s already has state; initialize starts the converted optimizer "
+                        "afresh (load its state_dict afterwards to keep it)", type(opt).__name__)
+    else:
+        log.info("%s has no fused fxamp counterpart: wrapping it in FP16_Optimizer (one host "
+                 "read per step unless built with fused=True)", type(opt).__name__)
+        new = FP16_Optimizer(opt, static_loss_scale=1.0)
+    new.loss_scalers = scalers
+    if isinstance(new, FP16_Optimizer):
+        new.loss_scaler = scalers[0]
+    return new
+
+
+def _has_state(opt: torch.optim.Optimizer) -> bool:
+    if isinstance(opt, FusedOptimizer):
+        return bool(opt._step_count.item())
+    return bool(opt.state)
+
+
+def _native_class(opt: torch.optim.Optimizer) -> Optional[type]:
+    if isinstance(opt, FusedOptimizer):
+        return type(opt)
+    cls = _NATIVE.get(type(opt))
+    if cls is None or any(g.get(flag) for g in opt.param_groups for flag in _UNSUPPORTED_FLAGS):
+        return None
+    if cls is optimizers.Adam and opt.param_groups[0].get("decoupled_weight_decay"):
+        return optimizers.AdamW
+    return cls
+
+
+@contextlib.contextmanager
+def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0,
+               model: Optional[torch.nn.Module] = None, delay_unscale: bool = False,
+               delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
+    """Apex's `amp.scale_loss`: yields `loss.float() * scale` for `backward()`.
+
+    Unscaling, the overflow check and the scale update happen in the optimizer's fused step, so
+    `delay_unscale` and `delay_overflow_check` change nothing; gradients of several losses with
+    different `loss_id`s are folded into fp32 before the next backward. An optimizer that did
+    not come from `initialize` (e.g. with enabled=False) gets the loss unchanged.
+
+    Raises:
+        ConfigError: `loss_id` outside the `num_losses` given to `initialize`.
+    """
+    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
+    scalers = getattr(opts[0], "loss_scalers", None)
+    if not scalers:
+        yield loss
+        return
+    if not 0 <= loss_id < len(scalers):
+        raise ConfigError(f"loss_id={loss_id} is out of range: initialize(num_losses="
+                          f"{len(scalers)}) made loss ids 0..{len(scalers) - 1}")
+    scaler = scalers[loss_id]
+    for opt in opts:
+        opt.before_backward(scaler)
+    yield scaler.scale(loss)
+    for opt in opts:
+        opt.after_backward(scaler)
+    if len(opts) > 1:  # one overflow flag must skip them all, as Apex's global one did
+        for opt in opts:
+            _unscale(opt, scaler)
+
+
+def _unscale(opt: Any, scaler: LossScaler) -> None:
+    if isinstance(opt, FP16_Optimizer):
+        opt.update_master_grads()
+    else:
+        opt.unscale_(scaler)
+
+
+def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
+    """Apex's `amp.master_params`: the fp32 tensors the optimizer steps, with unscaled `.grad`.
+
+    For an fxamp optimizer this folds the pending gradients into fp32 (the slower path: prefer
+    `max_grad_norm=` for clipping) and yields per-parameter views of the masters (aliases of the
+    parameters when they are fp32) whose `.grad` are views of the unscaled gradients; edits
+    through them, such as `clip_grad_norm_`, reach the step. Call it each step, after backward.
+    """
+    if isinstance(optimizer, FP16_Optimizer):
+        yield from optimizer.master_params()
+    elif isinstance(optimizer, FusedOptimizer):
+        optimizer.unscale_()
+        for bucket in optimizer.buckets:
+            for view, grad in zip(bucket.views(bucket.weights), bucket.views(bucket.acc)):
+                alias = view.detach()
+                alias.grad = grad
+                yield alias
+    else:
+        for group in optimizer.param_groups:
+            yield from group["params"]
+
+
+def amp_state_dict(optimizer: Any) -> dict[str, dict[str, Any]]:
+    """Apex's `amp.state_dict()`: {"loss_scaler0": {"loss_scale", "unskipped"}, ...} for the
+    scalers `initialize` attached to `optimizer`. Reads the scales back from the device."""
+    out = {}
+    for i, scaler in enumerate(_scalers(optimizer)):
+        sd = scaler.state_dict()
+        out[f"loss_scaler{i}"] = {"loss_scale": sd["scale"], "unskipped": sd["_growth_tracker"]}
+    return out
+
+
+def load_amp_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> None:
+    """Apex's `amp.load_state_dict`: load {"loss_scalerK": ...} into the optimizer's scalers."""
+    scalers = _scalers(optimizer)
+    if len(state_dict) != len(scalers):
+        raise ConfigError(f"the amp state dict has {len(state_dict)} loss scalers, the optimizer "
+                          f"has {len(scalers)} (initialize's num_losses)")
+    for i, scaler in enumerate(scalers):
+        scaler.load_state_dict(state_dict[f"loss_scaler{i}"])
+
+
+def _scalers(optimizer: Any) -> list[LossScaler]:
+    scalers = getattr(optimizer, "loss_scalers", None)
+    if not scalers:
+        raise ConfigError(f"{type(optimizer).__name__} has no loss scalers: pass an optimizer "
+                          "returned by fxamp.optim.initialize")
+    return scalers

@@ -1,0 +1,238 @@
+"""Apex's FP16_Optimizer over any torch optimizer, with the scale and overflow on the device.
+
+The wrapped optimizer steps on flat fp32 masters, one per (param group, dtype), exactly as
+Apex's flattened FP16_Optimizer did; the model's parameters and gradients are views into flat
+buffers (see flat.py). Gradients are unscaled into the masters' `.grad` by one compiled pass
+that also sets the overflow flag. A torch optimizer built with `fused=True` skips on that flag on
+the device; any other one is skipped after one host read per step, as in Apex.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+
+from fxamp.errors import ConfigError
+from fxamp.optim import fused_step
+from fxamp.optim.flat import flatten_param_groups
+from fxamp.optim.loss_scaler import LossScaler
+
+__all__ = ["FP16_Optimizer"]
+
+log = logging.getLogger(__name__)
+
+
+class FP16_Optimizer:
+    """Wrap `init_optimizer` with fp32 master weights and static or dynamic loss scaling.
+
+    Args:
+        init_optimizer: a torch optimizer built on the model's parameters, before its first
+            step. Its param groups are changed to hold the flat fp32 masters.
+        static_loss_scale: the scale when `dynamic_loss_scale` is False.
+        dynamic_loss_scale: use a dynamic LossScaler (Apex's rule unless dynamic_loss_args
+            says otherwise).
+        dynamic_loss_args: keyword arguments of LossScaler, e.g. {"growth_interval": 500,
+            "semantics": "torch"}; Apex's "scale_window" and "init_scale" are accepted too.
+        verbose: log the groups ingested at INFO (Apex printed them).
+        compile: compile the unscale pass with torch.compile.
+
+    Use `optimizer.backward(loss)` instead of `loss.backward()`, then `optimizer.step()`.
+    """
+
+    def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: Optional[dict] = None,
+                 verbose: bool = False, *, compile: bool = True) -> None:
+        _check_inner(init_optimizer)
+        self.optimizer = init_optimizer
+        self.loss_scaler = _make_scaler(static_loss_scale, dynamic_loss_scale,
+                                        dynamic_loss_args, compile)
+        self.loss_scalers = [self.loss_scaler]
+        self._buckets = flatten_param_groups(init_optimizer.param_groups, master_weights=True,
+                                             owner="FP16_Optimizer")
+        self._masters = [self._master_param(b) for b in self._buckets]
+        for gi, group in enumerate(init_optimizer.param_groups):
+            group["params"] = [m for b, m in zip(self._buckets, self._masters)
+                               if b.group_index == gi]
+        self._device = self._masters[0].device if self._masters else torch.device("cpu")
+        self.overflow_tensor = torch.zeros((), dtype=torch.bool, device=self._device)
+        """Whether the last step was skipped, as a 0-dim device tensor."""
+        self._fold = (fused_step.compiled if compile else fused_step.eager)["fold_grads"]
+        self._raw_scaler: Optional[LossScaler] = None
+        self._involved: list[LossScaler] = []
+        (log.info if verbose else log.debug)(
+            "FP16_Optimizer: %d flat masters over %d groups", len(self._masters),
+            len(init_optimizer.param_groups))
+
+    @staticmethod
+    def _master_param(bucket) -> torch.nn.Parameter:
+        # Parameter(t) shares t's storage: stepping the master updates bucket.master, or the
+        # model's fp32 parameters directly when the bucket has no separate master.
+        master = torch.nn.Parameter(bucket.weights, requires_grad=True)
+        master.grad = torch.zeros_like(bucket.weights)
+        return master
+
+    # ------------------------------------------------------------------------------ backward
+    def backward(self, loss: torch.Tensor, update_master_grads: bool = True,
+                 retain_graph: bool = False) -> None:
+        """Scale `loss`, run its backward and (by default) unscale into the master grads."""
+        self.before_backward(self.loss_scaler)
+        self.loss_scaler.scale(loss).backward(retain_graph=retain_graph)
+        self.after_backward(self.loss_scaler)
+        if update_master_grads:
+            self.update_master_grads()
+
+    def before_backward(self, scaler: LossScaler) -> None:
+        if self._raw_scaler is not None and self._raw_scaler is not scaler:
+            self.update_master_grads()
+
+    def after_backward(self, scaler: LossScaler) -> None:
+        self._raw_scaler = scaler
+
+    def update_master_grads(self) -> None:
+        """Add the model's gradients, unscaled, to the masters' `.grad` and zero them; record
+        overflow. Runs at most once per backward."""
+        scaler = self._raw_scaler
+        if scaler is None:
+            return
+        for bucket in self._buckets:
+            bucket.sync_from_params()
+        self._fold([b.grad for b in self._buckets], [m.grad for m in self._masters],
+                   scaler.state_tensors(self._device)[0], scaler.round_found(self._device))
+        if scaler not in self._involved:
+            self._involved.append(scaler)
+            scaler.join_round(id(self))
+        self._raw_scaler = None
+
+    # ---------------------------------------------------------------------------------- step
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the masters' gradients; returns their total norm, or -1 on overflow (Apex).
+        Reads the overflow flag and the norm back to the host."""
+        self.update_master_grads()
+        if self.overflow:
+            return -1.0
+        return float(torch.nn.utils.clip_grad_norm_(self._masters, max_norm, norm_type))
+
+    @property
+    def overflow(self) -> bool:
+        """Whether the gradients so far (or of the last step) overflowed. Reads the device."""
+        self._refresh_overflow()
+        return bool(self.overflow_tensor.item())
+
+    def _refresh_overflow(self) -> None:
+        if self._involved:
+            flags = [s.round_found(self._device) for s in self._involved]
+            self.overflow_tensor.copy_(torch.stack(flags).any())
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Step the wrapped optimizer on the masters unless the gradients overflowed, copy the
+        masters to the model, and advance the loss scale."""
+        loss = None
+        if closure is not None:
+            if any(s.dynamic for s in self.loss_scalers):
+                raise ConfigError("FP16_Optimizer.step(closure) cannot be used with dynamic loss "
+                                  "scaling: call optimizer.backward(loss) and then step()")
+            with torch.enable_grad():
+                loss = closure()
+        self.update_master_grads()
+        self._refresh_overflow()
+        with torch.no_grad():
+            for bucket in self._buckets:
+                bucket.sync_from_params()
+            self._step_inner()
+            for bucket in self._buckets:
+                if bucket.master is not None:
+                    bucket.param.copy_(bucket.master)
+        for scaler in self._involved:
+            scaler.leave_round(id(self))
+        self._involved = []
+        return loss
+
+    def _step_inner(self) -> None:
+        inner = self.optimizer
+        if getattr(inner, "_step_supports_amp_scaling", False):
+            inner.grad_scale, inner.found_inf = None, self.overflow_tensor.float()
+            inner.step()  # torch's fused kernels skip on found_inf themselves
+        elif self.overflow_tensor.item():
+            log.info("gradient overflow: skipping step, loss scale %s", self.loss_scaler)
+        else:
+            inner.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the model's and the masters' gradients (in place: they are flat buffers)."""
+        for bucket, master in zip(self._buckets, self._masters):
+            bucket.zero_grad()
+            master.grad.zero_()
+
+    # ------------------------------------------------------------------------- Apex surface
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.get_scale()
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.loss_scaler.set_scale(value)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def master_params(self) -> list[torch.Tensor]:
+        """Per-parameter fp32 views of the masters, with `.grad` views of the master grads."""
+        out = []
+        for bucket, master in zip(self._buckets, self._masters):
+            for view, grad in zip(bucket.views(master.data), bucket.views(master.grad)):
+                view.grad = grad
+                out.append(view)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scaler, wrapped optimizer and masters; loadable with torch.load(weights_only=True)."""
+        return {"loss_scaler": self.loss_scaler.state_dict(),
+                "dynamic_loss_scale": self.loss_scaler.dynamic,
+                "optimizer_state_dict": self.optimizer.state_dict(),
+                "fp32_masters": [m.detach() for m in self._masters]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        with torch.no_grad():
+            for bucket, master, saved in zip(self._buckets, self._masters,
+                                             state_dict["fp32_masters"]):
+                master.copy_(saved)
+                if bucket.master is not None:
+                    bucket.param.copy_(bucket.master)
+                bucket.mark_params_synced()
+
+    def __repr__(self) -> str:
+        return f"FP16_Optimizer({type(self.optimizer).__name__}, {self.loss_scaler})"
+
+
+def _check_inner(opt: Any) -> None:
+    if not isinstance(opt, torch.optim.Optimizer) or hasattr(opt, "buckets"):
+        raise ConfigError(f"FP16_Optimizer wraps a plain torch optimizer, not "
+                          f"{type(opt).__name__}; fxamp's own optimizers already keep masters "
+                          "and a loss scale")
+    if opt.state:
+        raise ConfigError(f"wrap the {type(opt).__name__} before its first step: it already has "
+                          "state for the model's parameters, and the wrapper steps on new flat "
+                          "masters")
+
+
+def _make_scaler(static: float, dynamic: bool, args: Optional[dict],
+                 compile: bool) -> LossScaler:
+    if not dynamic:
+        return LossScaler(static, compile=compile)
+    args = dict(args or {})
+    if "scale_window" in args:  # Apex's name
+        args["growth_interval"] = args.pop("scale_window")
+    if "scale_factor" in args:
+        factor = float(args.pop("scale_factor"))
+        args.setdefault("growth_factor", factor)
+        args.setdefault("backoff_factor", 1 / factor)
+    return LossScaler("dynamic", compile=compile, **args)
