@@ -96,3 +96,22 @@ def test_many_compiled_models_each_get_their_own_cache():
         compiled = fxamp.compile(copy.deepcopy(model), opt_level="O1", compiler="aot_eager")
         assert compiled(x).dtype == torch.bfloat16
         assert len(fxamp.backend_of(compiled).compiled_graphs) == 1
+
+
+def test_fullgraph_passes_through_to_dynamo():
+    def fn(x):
+        torch._dynamo.graph_break()
+        return x + 1
+
+    compiled = torch.compile(fn, backend=fxamp.backend(compiler="aot_eager"), fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        compiled(torch.randn(2))
+
+
+def test_cast_model_outputs_at_the_boundary():
+    model, (x,) = models.mlp()
+    fxamp.compile(model, opt_level="O2", cast_model_outputs=torch.bfloat16,
+                  compiler="aot_eager")
+    assert model(x).dtype == torch.bfloat16
+    with pytest.raises(fxamp.ConfigError, match="cast_model_outputs applies at the model"):
+        fxamp.backend(opt_level="O2", cast_model_outputs=torch.float32)

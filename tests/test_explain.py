@@ -1,0 +1,70 @@
+"""explain(): the report's parts, the metadata on inserted casts, logs through TORCH_LOGS."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fxamp
+from examples import models
+from fxamp.passes.insert_casts import is_fxamp_cast
+
+
+@pytest.fixture(scope="module")
+def report():
+    model, inputs = models.cnn()
+    return fxamp.explain(model, *inputs, opt_level="O2", backward=True)
+
+
+def test_report_sections_and_counts(report):
+    text = str(report)
+    assert text.startswith("fxamp O2 | dtype bf16 | policy torch-cpu | device cpu\n"
+                           "graphs: 1 | graph breaks: 0 | casts inserted: 2 | "
+                           "ops kept in fp32: 1")
+    for section in ("== forward graph 0 (after fxamp) ==", "== backward graph 0 ==",
+                    "== compute ops =="):
+        assert section in text
+    bn = next(r for r in report.rows if r.op == "batch_norm.default")
+    assert (bn.module, bn.policy, bn.reason, bn.output) == ("bn", "fp32", "keep_batchnorm_fp32",
+                                                          "f32")
+
+
+def test_inserted_casts_carry_metadata(report):
+    gm = report.graphs[0].graph_module
+    casts = [n for n in gm.graph.nodes if is_fxamp_cast(n)]
+    assert len(casts) == report.casts_inserted == 2
+    for cast in casts:
+        assert cast.meta["val"].dtype == cast.kwargs["dtype"]
+        assert "models.py" in cast.meta["stack_trace"]
+        assert any("bn" in path for path, _ in cast.meta["nn_module_stack"].values())
+
+
+def test_explain_leaves_the_callers_model_alone():
+    model, inputs = models.cnn()
+    fxamp.explain(model, *inputs, opt_level="O3")
+    assert model.conv.weight.dtype == torch.float32 and fxamp.config_of(model) is None
+
+
+def test_explain_reports_graph_breaks():
+    def fn(x):
+        x = torch.mm(x, x)
+        torch._dynamo.graph_break()
+        return torch.mm(x, x)
+
+    report = fxamp.explain(fn, torch.randn(2, 2), opt_level="O1")
+    assert report.graph_breaks == 1 and len(report.graphs) == 2
+    assert "graph breaks: 1" in str(report)
+
+
+def test_torch_logs_shows_the_passes():
+    code = ("import fxamp; from examples import models; m, (x,) = models.mlp(); "
+            "fxamp.compile(m, compiler='aot_eager'); m(x)")
+    env = {**os.environ, "TORCH_LOGS": "+fxamp"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            env=env, timeout=300, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode == 0, result.stderr
+    assert "fxamp O1 (torch-cpu): PassStats(ops_annotated=2" in result.stderr
+    assert "linear: bf16[8,32] = linear(args_0_bf16, fc1_weight_bf16, fc1_bias_bf16)" in \
+        result.stderr
