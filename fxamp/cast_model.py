@@ -8,24 +8,17 @@ weights themselves are 16-bit, which no graph pass can do. Parameters keep their
 
 from __future__ import annotations
 
-import fnmatch
 import types
 from typing import Any, Callable, Optional
 
 import torch
 
 from fxamp.config import LOW_DTYPES, AmpConfig
+from fxamp.rules import match_module_override
 
 __all__ = ["cast_model", "storage_dtype", "boundary_forward"]
 
 _BATCH_NORM = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
-
-
-def _overridden_fp32(name: str, module: torch.nn.Module, config: AmpConfig) -> bool:
-    for pattern, choice in config.module_overrides:
-        if pattern == type(module).__name__ or fnmatch.fnmatchcase(name, pattern):
-            return choice == "fp32"
-    return False
 
 
 def storage_dtype(name: str, module: torch.nn.Module, config: AmpConfig) -> Optional[torch.dtype]:
@@ -34,7 +27,8 @@ def storage_dtype(name: str, module: torch.nn.Module, config: AmpConfig) -> Opti
     if target in LOW_DTYPES:
         if isinstance(module, _BATCH_NORM) and config.keep_batchnorm_fp32:
             return torch.float32
-        if _overridden_fp32(name, module, config):
+        found = match_module_override(name, type(module).__name__, config)
+        if found and found[1] == "fp32":
             return torch.float32
     return target
 

@@ -19,8 +19,8 @@ from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.policy import CastPolicy, preset_table
 
-__all__ = ["choose_policy", "module_path", "register_rule", "castable_args", "is_compute_op",
-           "check_op_override_keys", "USER_CAST_OPS"]
+__all__ = ["choose_policy", "module_path", "match_module_override", "register_rule",
+           "castable_args", "is_compute_op", "check_op_override_keys", "USER_CAST_OPS"]
 
 aten = torch.ops.aten
 
@@ -80,14 +80,24 @@ def module_path(dynamo_path: str) -> str:
     return path.strip(".").replace("..", ".")
 
 
+def match_module_override(path: str, type_name: str,
+                          config: AmpConfig) -> Optional[tuple[str, str]]:
+    """The first (pattern, choice) of `config.module_overrides` naming this module's class or
+    matching its path (an fnmatch glob such as "blocks.*.ln_1"), or None."""
+    for pattern, choice in config.module_overrides:
+        if pattern == type_name or fnmatch.fnmatchcase(path, pattern):
+            return pattern, choice
+    return None
+
+
 def _module_override(node: torch.fx.Node, config: AmpConfig) -> Optional[tuple[str, str]]:
     stack = node.meta.get("nn_module_stack") or {}
     for dynamo_path, module_type in reversed(list(stack.values())):  # innermost first
         path = module_path(dynamo_path)
         type_name = getattr(module_type, "__name__", str(module_type).rsplit(".", 1)[-1])
-        for pattern, choice in config.module_overrides:
-            if pattern == type_name or fnmatch.fnmatchcase(path, pattern):
-                return f"module override {pattern!r} on {path or '<root>'}", choice
+        found = match_module_override(path, type_name, config)
+        if found:
+            return f"module override {found[0]!r} on {path or '<root>'}", found[1]
     return None
 
 
