@@ -151,3 +151,17 @@ def test_dtypes_per_node_o3_batch_norm_stays_mixed_when_stats_are_fp32():
     dtypes = node_dtypes(gm)
     assert dtypes["batch_norm"] == "bf16" and dtypes["x_1"] == "f32"
     assert [c.args[0].name for c in _check_invariants(gm)] == ["x_1"]  # stats untouched
+
+
+def test_users_own_autocast_region_wins():
+    def fn(x, w):
+        h = torch.mm(x, w)
+        with torch.autocast("cpu", enabled=False):
+            inner = torch.mm(h.float(), w)
+        return h, inner
+
+    gm = transform(fn, torch.randn(2, 2), torch.randn(2, 2), config=_config())
+    dtypes = node_dtypes(gm)
+    assert dtypes["mm"] == "bf16" and dtypes["mm_1"] == "f32"
+    decision = next(n for n in gm.graph.nodes if n.name == "mm_1").meta["fxamp"]
+    assert decision.reason == "inside the user's torch.autocast region"

@@ -158,19 +158,48 @@ def _run(node: fx.Node, vals: list[Any], decision: OpDecision, fake_mode) -> Any
         return node.target(*args, **kwargs)
 
 
+class _UserAutocast:
+    """Tracks the user's own `torch.autocast` regions (pre-dispatch keeps them as markers).
+
+    Note [The user's autocast wins]: inside `with torch.autocast(device, ...)` for fxamp's
+    device, the user has said how those ops should run (often `enabled=False` around code
+    that must stay fp32), so fxamp leaves every op there as traced.
+    """
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self.stack: list[bool] = []
+
+    def visit(self, node: fx.Node) -> None:
+        if node.target is torch.amp.autocast_mode._enter_autocast:
+            self.stack.append(node.args[0] == self.device_type)
+        elif node.target is torch.amp.autocast_mode._exit_autocast and self.stack:
+            self.stack.pop()
+
+    @property
+    def active(self) -> bool:
+        return any(self.stack)
+
+
 def annotate(gm: fx.GraphModule, config: AmpConfig, fake_mode) -> int:
-    """Record an OpDecision on every call_function and output node; returns how many cast."""
+    """Record an OpDecision on every call_function node; returns how many get casts."""
     env: dict[fx.Node, Any] = {}
     changed = 0
+    user_autocast = _UserAutocast(config.device_type)
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr"):
             env[node] = node.meta.get("val")
             continue
-        leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
-        vals = [env[x] if isinstance(x, fx.Node) else x for x in leaves]
         if node.op == "output":
             continue
-        decision = _decide(node, vals, config)
+        leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
+        vals = [env[x] if isinstance(x, fx.Node) else x for x in leaves]
+        user_autocast.visit(node)
+        if user_autocast.active:
+            decision = OpDecision(CastPolicy.KEEP, "inside the user's torch.autocast region",
+                                  tuple(_dtype(v) for v in vals), {})
+        else:
+            decision = _decide(node, vals, config)
         inputs_changed = any(isinstance(x, fx.Node) and env[x] is not x.meta.get("val")
                              for x in leaves)
         if decision.arg_casts or decision.set_dtype_kwarg or decision.restore_output \
