@@ -27,7 +27,7 @@ Optimizers = Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer], None]
 
 def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool = True,
                opt_level: str = "O1", num_losses: int = 1, verbosity: int = 1,
-               **overrides: Any):
+               compiler: str = "inductor", **overrides: Any):
     """Apex's `amp.initialize`: compile the model(s) for an opt level and return fused
     mixed-precision optimizers in place of the given ones.
 
@@ -42,6 +42,8 @@ def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool =
         opt_level: "O0", "O1", "O2" or "O3".
         num_losses: number of loss scalers, picked by `scale_loss(..., loss_id=k)`.
         verbosity: 0 keeps the INFO log quiet.
+        compiler: "inductor" (default) compiles model and optimizer step with Inductor;
+            "aot_eager" (debugging, fast tests) runs the model's graphs and the step eagerly.
         **overrides: Apex's property overrides (cast_model_type, keep_batchnorm_fp32,
             master_weights, loss_scale, cast_model_outputs, min_loss_scale, max_loss_scale) and
             fxamp's AmpConfig keywords.
@@ -62,10 +64,12 @@ def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool =
     _check_models(model_list)
     _check_optimizers(opt_list)
     from fxamp.backend import compile as _compile  # lazily: the backend imports the passes
-    compiled = [_compile(m, config=config) for m in model_list]
+    compiled = [_compile(m, config=config, compiler=compiler) for m in model_list]
+    inductor = compiler == "inductor"
     scalers = [LossScaler(config.loss_scale, min_loss_scale=config.min_loss_scale,
-                          max_loss_scale=config.max_loss_scale) for _ in range(num_losses)]
-    converted = [_convert(o, config, scalers) for o in opt_list]
+                          max_loss_scale=config.max_loss_scale, compile=inductor)
+               for _ in range(num_losses)]
+    converted = [_convert(o, config, scalers, inductor) for o in opt_list]
     (log.info if verbosity else log.debug)(
         "initialize(%s): %d model(s), optimizers %s, %d loss scaler(s)", opt_level,
         len(compiled), [type(o).__name__ for o in converted], num_losses)
@@ -115,13 +119,14 @@ _DROPPED_KEYS = ("foreach", "fused", "capturable", "differentiable", "maximize",
                  "decoupled_weight_decay", "initial_lr", "param_names")
 
 
-def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossScaler]):
+def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossScaler],
+             compile: bool):
     master_weights = config.master_weights is not False
     native = _native_class(opt)
     if native is not None:
         groups = [{k: v for k, v in g.items() if k not in _DROPPED_KEYS}
                   for g in opt.param_groups]
-        new = native(groups, master_weights=master_weights,
+        new = native(groups, master_weights=master_weights, compile=compile,
                      **({"max_grad_norm": opt.max_grad_norm}
                         if isinstance(opt, FusedOptimizer) else {}))
         if _has_state(opt):
@@ -130,7 +135,7 @@ def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossSc
     else:
         log.info("%s has no fused fxamp counterpart: wrapping it in FP16_Optimizer (one host "
                  "read per step unless built with fused=True)", type(opt).__name__)
-        new = FP16_Optimizer(opt, static_loss_scale=1.0)
+        new = FP16_Optimizer(opt, static_loss_scale=1.0, compile=compile)
     new.loss_scalers = scalers
     if isinstance(new, FP16_Optimizer):
         new.loss_scaler = scalers[0]
