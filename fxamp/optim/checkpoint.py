@@ -54,7 +54,9 @@ def state_dict(opt: "FusedOptimizer") -> dict[str, Any]:
         packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = [ids[id(p)] for p in group["params"]]
         groups.append(packed)
-    state = {ids[id(p)]: dict(entry) for p, entry in opt.state.items()}
+    # One "step" per parameter, as torch.optim keeps it: a shared one would be incremented once
+    # per parameter by a torch optimizer that loads this dict.
+    state = {ids[id(p)]: {**entry, "step": entry["step"].clone()} for p, entry in opt.state.items()}
     return {"state": state, "param_groups": groups}
 
 

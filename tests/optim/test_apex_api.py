@@ -1,0 +1,171 @@
+"""Apex's surface: initialize's permissible invocations and conversions, scale_loss with one or
+several losses and optimizers, master_params, the amp state dict and FP16_Optimizer.
+
+Models are compiled with compiler="aot_eager" (same graphs, no Inductor) to keep this fast; the
+compiled optimizer step is covered by the other files.
+"""
+
+import pytest
+import torch
+from optim_helpers import bit_identical, loss_of, make_mlp, snapshot
+
+import fxamp.optim as fo
+
+pytest.importorskip("fxamp.backend")
+
+
+# fp32 models (no per-op casts) with a dynamic scale: numerics comparable to an fp32 reference.
+FP32_DYNAMIC = dict(opt_level="O0", loss_scale="dynamic")
+
+
+def _init(models, opts, **kw):
+    return fo.initialize(models, opts, compiler="aot_eager", **kw)
+
+
+def _adamw(model, **kw):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, **kw)
+
+
+def test_permissible_invocations_mirror_their_inputs():
+    m = make_mlp()
+    model, opt = _init(m, _adamw(m))
+    assert model is m and isinstance(opt, fo.AdamW)
+    m = make_mlp()
+    model, opts = _init(m, [_adamw(m)])
+    assert model is m and isinstance(opts, list) and len(opts) == 1
+    m1, m2 = make_mlp(), make_mlp(seed=1)
+    models, opt = _init([m1, m2], _adamw(m1))
+    assert models == [m1, m2] and isinstance(opt, fo.AdamW)
+    m1, m2 = make_mlp(), make_mlp(seed=1)
+    models, opts = _init([m1, m2], [_adamw(m1), torch.optim.SGD(m2.parameters(), lr=0.1)])
+    assert [type(o) for o in opts] == [fo.AdamW, fo.SGD]
+    m = make_mlp()
+    assert _init(m, None) is m
+    o = _adamw(m)
+    assert fo.initialize(m, o, enabled=False) == (m, o)
+
+
+@pytest.mark.parametrize("make_opt,expected", [
+    (lambda m: torch.optim.Adam(m.parameters(), lr=1e-3, weight_decay=0.1), fo.Adam),
+    (lambda m: torch.optim.Adam(m.parameters(), decoupled_weight_decay=True), fo.AdamW),
+    (lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, nesterov=True), fo.SGD),
+    (lambda m: torch.optim.Adam(m.parameters(), amsgrad=True), fo.FP16_Optimizer),
+    (lambda m: torch.optim.RMSprop(m.parameters()), fo.FP16_Optimizer),
+])
+def test_optimizers_convert_to_fused_or_wrapped(make_opt, expected):
+    model = make_mlp()
+    torch_opt = make_opt(model)
+    hyper = {k: v for k, v in torch_opt.param_groups[0].items() if k in ("lr", "weight_decay")}
+    _, opt = _init(model, torch_opt, opt_level="O2")
+    assert type(opt) is expected
+    assert model[0].weight.dtype == torch.bfloat16
+    if expected is not fo.FP16_Optimizer:
+        assert all(opt.param_groups[0][k] == v for k, v in hyper.items())
+        assert all(b.master is not None for b in opt.buckets)
+
+
+def _step(model, opt, step, loss_id=0, bad=None):
+    with fo.scale_loss(loss_of(model, step), opt, loss_id=loss_id) as scaled:
+        scaled.backward()
+    if bad is not None:
+        model[0].weight.grad[0, 0] = bad
+
+
+def test_scale_loss_trains_and_skips_at_o2():
+    model = make_mlp()
+    _, opt = _init(model, _adamw(model), opt_level="O2")
+    first = loss_of(model, 0).item()
+    for step in range(8):
+        _step(model, opt, step)
+        opt.step()
+        opt.zero_grad()
+    assert loss_of(model, 0).item() < first
+    before, scale = snapshot(opt), opt.loss_scalers[0].get_scale()
+    _step(model, opt, 8, bad=float("inf"))
+    opt.step()
+    assert bit_identical(snapshot(opt), before)
+    assert opt.loss_scalers[0].get_scale() == scale / 2
+    assert fo.amp_state_dict(opt) == {"loss_scaler0": {"loss_scale": scale / 2, "unskipped": 0}}
+
+
+def test_two_losses_with_their_own_scalers():
+    model = make_mlp()
+    _, opt = _init(model, _adamw(model), num_losses=2, **FP32_DYNAMIC)
+    ref = make_mlp()
+    ref_opt = fo.AdamW(ref.parameters(), lr=1e-2, compile=False)
+    s0, s1 = opt.loss_scalers
+    s1.set_scale(2.0**10)
+    for step in range(3):
+        _step(model, opt, step, loss_id=0)
+        _step(model, opt, step + 100, loss_id=1)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        (loss_of(ref, step) + loss_of(ref, step + 100)).backward()
+        ref_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    before = snapshot(opt)
+    _step(model, opt, 3, loss_id=0)
+    _step(model, opt, 4, loss_id=1, bad=float("nan"))
+    opt.step()
+    assert opt.last_step_skipped() and bit_identical(snapshot(opt), before)
+    assert (s0.get_scale(), s1.get_scale()) == (2.0**16, 2.0**9)
+    assert fo.amp_state_dict(opt)["loss_scaler0"]["unskipped"] == 4
+    fresh = _init(make_mlp(), _adamw(make_mlp()), num_losses=2)[1]  # any level
+    fo.load_amp_state_dict(fresh, fo.amp_state_dict(opt))
+    assert fresh.loss_scalers[1].get_scale() == 2.0**9
+
+
+def test_one_loss_over_two_optimizers_skips_both_and_moves_the_scale_once():
+    m1, m2 = make_mlp(), make_mlp(seed=1)
+    (m1, m2), (o1, o2) = _init([m1, m2], [_adamw(m1), _adamw(m2)])
+    before = snapshot(o1), snapshot(o2)
+    # scale_loss folds both optimizers' gradients on exit, so inject during the backward
+    m2[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    with fo.scale_loss(loss_of(m1, 0) + loss_of(m2, 0), [o1, o2]) as scaled:
+        scaled.backward()
+    o1.step()
+    o2.step()
+    assert bit_identical(snapshot(o1), before[0]) and bit_identical(snapshot(o2), before[1])
+    assert o1.loss_scalers[0].get_scale() == 2.0**15
+
+
+def test_master_params_clip_like_fused_clipping():
+    model = make_mlp()
+    _, opt = _init(model, _adamw(model), **FP32_DYNAMIC)
+    ref = make_mlp()
+    ref_opt = fo.AdamW(ref.parameters(), lr=1e-2, max_grad_norm=0.05, compile=False)
+    for step in range(4):
+        _step(model, opt, step)
+        norm = torch.nn.utils.clip_grad_norm_(fo.master_params(opt), 0.05)
+        opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss_of(ref, step).backward()
+        ref_opt.step()
+        torch.testing.assert_close(norm, ref_opt.grad_norm, rtol=1e-5, atol=0)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_fp16_optimizer_skips_clips_and_scales():
+    model = make_mlp(torch.bfloat16)
+    opt = fo.FP16_Optimizer(torch.optim.RMSprop(model.parameters(), lr=1e-3),
+                            dynamic_loss_scale=True, dynamic_loss_args={"scale_window": 2},
+                            compile=False)
+    assert opt.loss_scaler.rule.growth_interval == 2
+    opt.backward(loss_of(model, 0))
+    assert opt.clip_master_grads(1.0) > 0
+    opt.step()
+    before = [p.clone() for p in model.parameters()] + [m.clone() for m in opt._masters]
+    opt.zero_grad()
+    opt.backward(loss_of(model, 1), update_master_grads=False)
+    model[0].weight.grad[0, 0] = float("inf")
+    assert opt.clip_master_grads(1.0) == -1
+    opt.step()
+    assert opt.overflow and opt.loss_scale == 2.0**15
+    assert bit_identical(list(model.parameters()) + opt._masters, before)
+    assert len(list(fo.master_params(opt))) == 4
+    opt.loss_scale = 64.0
+    assert opt.loss_scaler.get_scale() == 64.0
