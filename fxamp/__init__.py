@@ -5,6 +5,7 @@ from fxamp.config import AmpConfig
 from fxamp.errors import BannedOpError, ConfigError, FxampError
 from fxamp.policy import CastPolicy
 from fxamp.explain import Explanation, explain
+from fxamp.debug import SkipMonitor, locate_overflow, range_stats
 
 __all__ = [
     "AmpConfig",
@@ -19,5 +20,8 @@ __all__ = [
     "backend_of",
     "compile",
     "config_of",
+    "SkipMonitor",
+    "locate_overflow",
+    "range_stats",
 ]
 __version__ = "0.1.0"

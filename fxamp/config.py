@@ -83,7 +83,8 @@ def check_opt_level(opt_level: Any) -> str:
         return opt_level
     hint = ""
     if isinstance(opt_level, str) and opt_level.upper().replace("0", "O", 1) in OPT_LEVELS:
-        hint = " (the prefix is the letter O, not the number zero, in upper case)"
+        hint = (" (the prefix is the letter O, not the number zero)" if opt_level[:1] == "0"
+                else " (the prefix is an upper-case letter O)")
     raise ConfigError(f"opt_level {opt_level!r} is not one of 'O0', 'O1', 'O2', 'O3'{hint}")
 
 
@@ -269,11 +270,11 @@ class AmpConfig:
 def _freeze_overrides(overrides: Optional[Mapping[Any, str]]) -> tuple[tuple[str, str], ...]:
     if not overrides:
         return ()
-    items = []
+    items = []  # in the caller's order: the first matching entry wins
     for key, choice in overrides.items():
         if isinstance(key, type):
             key = key.__name__
         elif not isinstance(key, str):
             key = str(key)  # an OpOverload / OpOverloadPacket prints as "aten.softmax.int"
         items.append((key, choice))
-    return tuple(sorted(items))
+    return tuple(items)

@@ -14,10 +14,11 @@ from torch._functorch.aot_autograd import make_boxed_func
 from fxamp.backend import CompiledGraph, FxampBackend, _check_model, compile_module
 from fxamp.cast_model import cast_model
 from fxamp.config import AmpConfig
+from fxamp.errors import ConfigError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.insert_casts import CastInfo
 from fxamp.policy import CastPolicy
-from fxamp.rules import is_compute_op, module_path
+from fxamp.rules import BOUNDARY_REASON, is_compute_op, module_path
 from fxamp.testing import format_graph
 
 __all__ = ["explain", "Explanation", "OpRow"]
@@ -48,10 +49,18 @@ class Explanation:
     rows: list[OpRow]
     graph_breaks: int
     break_reasons: list[str]
+    ranges: Optional[Any] = None  # a fxamp.debug.RangeTable, with explain(ranges=True)
 
     @property
     def casts_inserted(self) -> int:
         return sum(g.stats.casts_inserted for g in self.graphs)
+
+    @property
+    def boundary_casts(self) -> int:
+        """Casts of the model's inputs and outputs (fxamp.compile, O0/O2/O3)."""
+        return sum(n.meta.get(FXAMP_META) is not None
+                   and n.meta[FXAMP_META].reason == BOUNDARY_REASON
+                   for g in self.graphs for n in g.graph_module.graph.nodes)
 
     @property
     def ops_in_fp32(self) -> int:
@@ -63,13 +72,16 @@ class Explanation:
         out = [f"fxamp {c.opt_level} | dtype {short_dtype(c.dtype)} | policy {c.policy} | "
                f"device {c.device_type}",
                f"graphs: {len(self.graphs)} | graph breaks: {self.graph_breaks} | "
-               f"casts inserted: {self.casts_inserted} | ops kept in fp32: {self.ops_in_fp32}"]
+               f"casts inserted: {self.casts_inserted} (+{self.boundary_casts} at the model "
+               f"boundary) | ops kept in fp32: {self.ops_in_fp32}"]
         out += [f"  break: {r}" for r in self.break_reasons]
         for i, g in enumerate(self.graphs):
             out += ["", f"== forward graph {i} (after fxamp) ==", format_graph(g.graph_module)]
         for i, g in enumerate(self.backward_graphs):
             out += ["", f"== backward graph {i} ==", format_graph(g, marks=False)]
         out += ["", "== compute ops ==", _table(self.rows)]
+        if self.ranges is not None:
+            out += ["", "== value ranges ==", str(self.ranges)]
         return "\n".join(out)
 
 
@@ -114,7 +126,7 @@ class _Recorder:
 
 def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
             backward: bool = False, config: Optional[AmpConfig] = None,
-            **overrides: Any) -> Explanation:
+            ranges: bool = False, **overrides: Any) -> Explanation:
     """Run `model_or_fn(*example_inputs)` under fxamp (eagerly, no Inductor) and report.
 
     A module is deep-copied first, so the caller's model is never cast or compiled.
@@ -125,6 +137,8 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
         opt_level, config, **overrides: as for `fxamp.compile`.
         backward: also run backward on the sum of the floating outputs and record the
             backward graphs AOTAutograd derived from the transformed forward.
+        ranges: also measure every op's values on `example_inputs` against the fp16 limits
+            (`fxamp.debug.range_stats`; gradients too with `backward`), in `.ranges`.
 
     Returns:
         An Explanation: print it, or read `.rows`, `.casts_inserted`, `.graph_breaks`.
@@ -141,9 +155,14 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
     fxamp_backend = FxampBackend(config, compiler=inner)
     if isinstance(target, torch.nn.Module):
         compile_module(target, fxamp_backend)
-        outputs = target(*example_inputs)
     else:
-        outputs = torch.compile(target, backend=fxamp_backend)(*example_inputs)
+        target = torch.compile(target, backend=fxamp_backend)
+    try:
+        outputs = target(*example_inputs)
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        if isinstance(e.inner_exception, (FxampError, ConfigError)):
+            raise e.inner_exception from None  # the pass's own message, not Dynamo's wrapper
+        raise
     if backward:
         floats = [o for o in torch.utils._pytree.tree_leaves(outputs)
                   if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
@@ -152,5 +171,11 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
     dynamo = torch._dynamo.explain(model_or_fn)(*example_inputs)
     graphs = fxamp_backend.compiled_graphs
     rows = [row for i, g in enumerate(graphs) for row in _rows(i, g.graph_module)]
+    table = None
+    if ranges:
+        from fxamp.debug.ranges import range_stats  # lazily: fxamp.debug imports the backend
+
+        table = range_stats(model_or_fn, [example_inputs], backward=backward, config=config)
     return Explanation(graphs[0].config if graphs else config, graphs, recorder.backward, rows,
-                       dynamo.graph_break_count, [str(r.reason) for r in dynamo.break_reasons])
+                       dynamo.graph_break_count, [str(r.reason) for r in dynamo.break_reasons],
+                       table)

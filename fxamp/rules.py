@@ -9,6 +9,7 @@ batch_norm's running statistics are mutated in place and must never be replaced 
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from typing import Callable, Optional
 
@@ -31,6 +32,11 @@ USER_CAST_OPS = frozenset(op for op in (
 ) if isinstance(op, OpOverload))
 
 BATCH_NORM_OPS = frozenset((aten.batch_norm.default, aten.instance_norm.default))
+
+# fxamp.compile's model-boundary casts are traced from cast_model.py (Note [Model-boundary
+# casts]); their stack trace names that file, which is how explain() tells them apart.
+BOUNDARY_FILE = os.path.join("fxamp", "cast_model.py")
+BOUNDARY_REASON = "model boundary cast (fxamp.compile)"
 
 _RULES: dict[OpOverload, Callable[[CastPolicy, int], tuple[int, ...]]] = {}
 
@@ -102,7 +108,8 @@ def _module_override(node: torch.fx.Node, config: AmpConfig) -> Optional[tuple[s
 
 
 def _op_override(op: OpOverload, config: AmpConfig) -> Optional[tuple[str, str]]:
-    names = {str(op), str(op.overloadpacket), op.overloadpacket.__name__}
+    packet = op.overloadpacket.__name__
+    names = {str(op), str(op.overloadpacket), packet, f"{packet}.{op._overloadname}"}
     for key, choice in config.op_overrides:
         if key in names:
             return f"op override {key!r}", choice
@@ -126,6 +133,8 @@ def check_op_override_keys(config: AmpConfig) -> None:
 def choose_policy(node: torch.fx.Node, config: AmpConfig) -> tuple[CastPolicy, str]:
     """The policy for one call_function node and the reason, by the documented precedence."""
     op = node.target
+    if op in USER_CAST_OPS and BOUNDARY_FILE in (node.meta.get("stack_trace") or ""):
+        return CastPolicy.KEEP, BOUNDARY_REASON
     if not isinstance(op, OpOverload) or op in USER_CAST_OPS:
         return CastPolicy.KEEP, "not a castable op"
     found = _module_override(node, config) if is_compute_op(op) else None

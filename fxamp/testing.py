@@ -8,6 +8,7 @@ import torch
 import torch.fx as fx
 
 from fxamp.passes.annotate import FXAMP_META, short_dtype
+from fxamp.rules import BOUNDARY_REASON
 
 __all__ = ["format_graph", "node_dtypes", "cast_nodes"]
 
@@ -48,8 +49,11 @@ def format_graph(gm: fx.GraphModule, *, marks: bool = True) -> str:
         elif node.op == "call_function":
             args = [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
             line = f"{node.name}: {_type_of(node.meta.get('val'))} = {_target(node)}({', '.join(args)})"
-            if marks and type(node.meta.get(FXAMP_META)).__name__ == "CastInfo":
+            decision = node.meta.get(FXAMP_META)
+            if marks and type(decision).__name__ == "CastInfo":
                 line += "  # fxamp"
+            elif marks and decision is not None and decision.reason == BOUNDARY_REASON:
+                line += "  # fxamp boundary"
             lines.append(line)
     return "\n".join(lines)
 

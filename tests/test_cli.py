@@ -43,7 +43,7 @@ def test_zero_for_letter_o_exits_2_with_one_line():
     assert result.returncode == 2
     assert result.stderr == (
         "python -m fxamp: error: opt_level '01' is not one of 'O0', 'O1', 'O2', 'O3' "
-        "(the prefix is the letter O, not the number zero, in upper case)\n")
+        "(the prefix is the letter O, not the number zero)\n")
     assert result.stdout == ""
 
 

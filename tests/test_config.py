@@ -33,7 +33,7 @@ def test_resolve_picks_device_defaults():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(opt_level="o1"), "opt_level 'o1' is not one of 'O0', 'O1', 'O2', 'O3' (the prefix is the letter O, not the number zero"),
+    (dict(opt_level="o1"), "opt_level 'o1' is not one of 'O0', 'O1', 'O2', 'O3' (the prefix is an upper-case letter O)"),
     (dict(opt_level="01"), "the letter O, not the number zero"),
     (dict(opt_level="O4"), "opt_level 'O4' is not one of 'O0', 'O1', 'O2', 'O3'"),
     (dict(opt_level="O1", cast_model_type=torch.float16), "O1 inserts casts around ops rather than casting the model weights"),

@@ -21,7 +21,7 @@ def report():
 def test_report_sections_and_counts(report):
     text = str(report)
     assert text.startswith("fxamp O2 | dtype bf16 | policy torch-cpu | device cpu\n"
-                           "graphs: 1 | graph breaks: 0 | casts inserted: 2 | "
+                           "graphs: 1 | graph breaks: 0 | casts inserted: 2 (+2 at the model boundary) | "
                            "ops kept in fp32: 1")
     for section in ("== forward graph 0 (after fxamp) ==", "== backward graph 0 ==",
                     "== compute ops =="):

@@ -74,11 +74,11 @@ fc1_weight: bf16[32,16]
 fc1_bias: bf16[32]
 fc2_weight: bf16[4,32]
 fc2_bias: bf16[4]
-to: bf16[8,16] = to.dtype(args_0, bf16)
+to: bf16[8,16] = to.dtype(args_0, bf16)  # fxamp boundary
 linear: bf16[8,32] = linear(to, fc1_weight, fc1_bias)
 relu: bf16[8,32] = relu(linear)
 linear_1: bf16[8,4] = linear(relu, fc2_weight, fc2_bias)
-to_1: f32[8,4] = to.dtype(linear_1, f32)
+to_1: f32[8,4] = to.dtype(linear_1, f32)  # fxamp boundary
 return [to_1]""")
         self.assertExpectedInline(bw, """\
 _to_copy: bf16[8,16]
@@ -184,7 +184,7 @@ bn_weight: f32[4]
 bn_bias: f32[4]
 fc_weight: bf16[10,64]
 fc_bias: bf16[10]
-to: bf16[2,1,8,8] = to.dtype(args_0, bf16)
+to: bf16[2,1,8,8] = to.dtype(args_0, bf16)  # fxamp boundary
 conv2d: bf16[2,4,8,8] = conv2d(to, conv_weight, conv_bias, [1, 1], [1, 1])
 conv2d_f32: f32[2,4,8,8] = _to_copy(conv2d, dtype=f32)  # fxamp
 add_: i64[] = add_.Tensor(bn_num_batches_tracked, 1)
@@ -194,7 +194,7 @@ relu: bf16[2,4,8,8] = relu(batch_norm_bf16)
 max_pool2d: bf16[2,4,4,4] = max_pool2d(relu, [2, 2], [2, 2])
 flatten: bf16[2,64] = flatten.using_ints(max_pool2d, 1)
 linear: bf16[2,10] = linear(flatten, fc_weight, fc_bias)
-to_1: f32[2,10] = to.dtype(linear, f32)
+to_1: f32[2,10] = to.dtype(linear, f32)  # fxamp boundary
 return [to_1]""")
         self.assertExpectedInline(bw, """\
 primals_2: bf16[4,1,3,3]
@@ -403,7 +403,7 @@ mlp_0_weight: bf16[32,16]
 mlp_0_bias: bf16[32]
 mlp_2_weight: bf16[16,32]
 mlp_2_bias: bf16[16]
-to: bf16[2,8,16] = to.dtype(args_0, bf16)
+to: bf16[2,8,16] = to.dtype(args_0, bf16)  # fxamp boundary
 layer_norm: bf16[2,8,16] = layer_norm(to, [16], ln1_weight, ln1_bias)
 linear: bf16[2,8,48] = linear(layer_norm, qkv_weight, qkv_bias)
 chunk: (bf16[2,8,16], bf16[2,8,16], bf16[2,8,16]) = chunk(linear, 3, -1)
@@ -426,7 +426,7 @@ linear_2: bf16[2,8,32] = linear(layer_norm_1, mlp_0_weight, mlp_0_bias)
 gelu: bf16[2,8,32] = gelu(linear_2)
 linear_3: bf16[2,8,16] = linear(gelu, mlp_2_weight, mlp_2_bias)
 add_1: bf16[2,8,16] = add.Tensor(add, linear_3)
-to_1: f32[2,8,16] = to.dtype(add_1, f32)
+to_1: f32[2,8,16] = to.dtype(add_1, f32)  # fxamp boundary
 return [to_1]""")
         self.assertExpectedInline(bw, """\
 primals_2: bf16[16]

@@ -165,3 +165,34 @@ def test_users_own_autocast_region_wins():
     assert dtypes["mm"] == "bf16" and dtypes["mm_1"] == "f32"
     decision = next(n for n in gm.graph.nodes if n.name == "mm_1").meta["fxamp"]
     assert decision.reason == "inside the user's torch.autocast region"
+
+
+def test_keep_override_that_mixes_dtypes_is_refused_before_running():
+    import fxamp
+    from examples import models
+
+    model, inputs = models.attention()
+    # sdpa is lowered to bf16 and feeds proj, which the override leaves with fp32 weights
+    with pytest.raises(FxampError, match=re.escape("aten.linear.default in proj (File ")) as info:
+        fxamp.explain(model, *inputs, opt_level="O1", op_overrides={"aten.linear": "keep"})
+    assert "would get bf16 and f32 inputs under policy 'keep' (op override 'aten.linear'); " \
+           "it needs one dtype: override it to 'lower' or 'fp32'" in str(info.value)
+
+
+def test_op_override_key_forms():
+    fn = lambda x, w: torch.softmax(torch.mm(x, w), -1)
+    for key in ("aten.softmax.int", "aten.softmax", "softmax", "softmax.int"):
+        gm = transform(fn, torch.randn(2, 2), torch.randn(2, 2),
+                       config=_config(op_overrides={key: "fp32"}))
+        assert node_dtypes(gm)["softmax"] == "f32", key
+
+
+def test_first_listed_module_override_wins():
+    import fxamp
+    from examples import models
+
+    model, inputs = models.attention()
+    report = fxamp.explain(model, *inputs, opt_level="O1",
+                           module_overrides={"mlp.0": "keep", "mlp.*": "fp32"})
+    rows = {r.module: r for r in report.rows if r.op == "linear.default"}
+    assert rows["mlp.0"].policy == "keep" and rows["mlp.2"].policy == "fp32"

@@ -44,12 +44,14 @@ class Algorithm:
     aux: Callable[[FlatBucket], tuple[Any, ...]] = lambda bucket: ()
     has_state: Callable[[dict], bool] = lambda group: True
 
-    def hyper_row(self, group: dict) -> tuple[float, ...]:
+    def hyper_row(self, group: dict) -> tuple[Any, ...]:
+        """The group's hyperparameters in column order: floats, or tensors left as they are
+        (reading a device tensor as a float would synchronise)."""
         values: list[Any] = []
         for key in self.hyper_keys:
             value = group[key]
             values.extend(value if key == "betas" else (value,))
-        return tuple(float(v) for v in values)
+        return tuple(v if isinstance(v, torch.Tensor) else float(v) for v in values)
 
 
 # ---------------------------------------------------------------------------------------- Adam

@@ -66,9 +66,7 @@ def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool =
     from fxamp.backend import compile as _compile  # lazily: the backend imports the passes
     compiled = [_compile(m, config=config, compiler=compiler) for m in model_list]
     inductor = compiler == "inductor"
-    scalers = [LossScaler(config.loss_scale, min_loss_scale=config.min_loss_scale,
-                          max_loss_scale=config.max_loss_scale, compile=inductor)
-               for _ in range(num_losses)]
+    scalers = [LossScaler.from_config(config, compile=inductor) for _ in range(num_losses)]
     converted = [_convert(o, config, scalers, inductor) for o in opt_list]
     (log.info if verbosity else log.debug)(
         "initialize(%s): %d model(s), optimizers %s, %d loss scaler(s)", opt_level,

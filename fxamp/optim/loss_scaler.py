@@ -14,6 +14,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Union
 
 import torch
 
+from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 
 __all__ = ["LossScaler", "ScaleRule", "next_scale_state", "SEMANTICS"]
@@ -129,6 +130,13 @@ class LossScaler:
         self._found: Optional[torch.Tensor] = None
         self._round: set[int] = set()
         self._update = _compiled_update if compile else _update_in_place
+
+    @classmethod
+    def from_config(cls, config: AmpConfig, **kwargs: Any) -> "LossScaler":
+        """The scaler an opt level asks for: its loss_scale ("dynamic" or a number) and its
+        min/max_loss_scale, with Apex's rule; `kwargs` as for the constructor."""
+        return cls(config.loss_scale, min_loss_scale=config.min_loss_scale,
+                   max_loss_scale=config.max_loss_scale, **kwargs)
 
     @property
     def dynamic(self) -> bool:

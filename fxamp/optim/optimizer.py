@@ -57,8 +57,9 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _init_device_state(self, device: torch.device) -> None:
         rows = [self.algorithm.hyper_row(g) for g in self.param_groups]
-        self._hyper_seen: list[Optional[tuple]] = list(rows)
-        self._hyper = torch.tensor(rows, dtype=torch.float64).to(device)
+        self._hyper_seen: list[tuple] = rows
+        self._hyper = torch.tensor([[float(v) for v in row] for row in rows],
+                                   dtype=torch.float64).to(device)
         self._step_count = torch.zeros((), dtype=torch.float32, device=device)
         self.found_inf = torch.zeros((), dtype=torch.bool, device=device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
@@ -143,14 +144,17 @@ class FusedOptimizer(torch.optim.Optimizer):
             tuple(x.group_index for x in b), self._aux, update_fn=self.algorithm.update)
 
     def _sync_hyper(self) -> None:
+        # Only changed values go to the device, each as a fill (never a blocking copy); tensor
+        # values (torch's tensor lr) are copied every step, device to device.
         for gi, group in enumerate(self.param_groups):
-            row = self.algorithm.hyper_row(group)
-            seen = self._hyper_seen[gi]
-            if row == seen:
+            row, seen = self.algorithm.hyper_row(group), self._hyper_seen[gi]
+            if all(type(a) is type(b) is float and a == b for a, b in zip(row, seen)):
                 continue
-            for k, value in enumerate(row):
-                if seen is None or value != seen[k]:
-                    self._hyper[gi, k].fill_(value)  # a device fill, never a blocking copy
+            for k, (value, old) in enumerate(zip(row, seen)):
+                if isinstance(value, torch.Tensor):
+                    self._hyper[gi, k].copy_(value, non_blocking=True)
+                elif type(old) is not float or value != old:
+                    self._hyper[gi, k].fill_(value)
             self._hyper_seen[gi] = row
 
     # ------------------------------------------------------------------ several losses / Apex

@@ -130,7 +130,7 @@ def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: 
     # not cast) are cast at each use, except into fp32 islands, the user's own casts and
     # arguments mutated in place. The model's outputs are not a graph's business: a graph
     # break makes any value an output, so fxamp.compile casts outputs with a module hook
-    # (Note [Model-boundary casts are hooks]).
+    # (Note [Model-boundary casts] in cast_model.py).
     if config.cast_model_type not in LOW_DTYPES or node.target in USER_CAST_OPS:
         return
     if not isinstance(node.target, OpOverload):

@@ -10,7 +10,7 @@ from fxamp.config import LOW_DTYPES, AmpConfig
 from fxamp.errors import BannedOpError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.policy import BANNED_ALTERNATIVES, CastPolicy, preset_table
-from fxamp.rules import BATCH_NORM_OPS
+from fxamp.rules import BATCH_NORM_OPS, module_path
 
 __all__ = ["validate", "where"]
 
@@ -18,7 +18,7 @@ __all__ = ["validate", "where"]
 def where(node: fx.Node) -> str:
     """'aten.linear.default in head (model.py:12)' — enough to find the node in user code."""
     stack = node.meta.get("nn_module_stack") or {}
-    module = list(stack.values())[-1][0] if stack else "<top level>"
+    module = (module_path(list(stack.values())[-1][0]) or "<root>") if stack else "<top level>"
     trace = (node.meta.get("stack_trace") or "").strip().splitlines()
     line = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
     return f"{node.target} in {module}" + (f" ({line})" if line else "")
@@ -57,8 +57,27 @@ def _check_batch_norm_stats(node: fx.Node) -> None:
     if decision.policy is CastPolicy.FP32 and any(d in LOW_DTYPES for d in stats):
         raise FxampError(
             f"{where(node)} runs in fp32 but its running statistics are "
-            f"{short_dtype(stats[0])}; they are updated in place and cannot be cast. Keep the "
-            "module's buffers in fp32 (fxamp.compile does this for modules it keeps in fp32)"
+            f"{short_dtype(stats[0])}; they are updated in place and cannot be cast. Store "
+            "the module in fp32: fxamp.compile(..., keep_batchnorm_fp32=True) or "
+            "module_overrides={'BatchNorm2d': 'fp32'} (fxamp.compile keeps such modules fp32)"
+        )
+
+
+# Ops whose kernels take one floating dtype (matmuls, convolutions, attention): the ops
+# torch.autocast lowers on CUDA. A policy that hands them mixed dtypes cannot run.
+_ONE_DTYPE_OPS = frozenset(op for op, p in preset_table("torch-cuda").items()
+                           if p is CastPolicy.LOWER)
+
+
+def _check_one_dtype(node: fx.Node, config: AmpConfig) -> None:
+    decision = node.meta[FXAMP_META]
+    dtypes = {decision.arg_casts.get(i, d) for i, d in enumerate(decision.input_dtypes)}
+    floats = sorted(short_dtype(d) for d in dtypes if d in (torch.float32, *LOW_DTYPES))
+    if len(floats) > 1:
+        raise FxampError(
+            f"{where(node)} would get {' and '.join(floats)} inputs under policy "
+            f"'{decision.policy.value}' ({decision.reason}); it needs one dtype: override it "
+            "to 'lower' or 'fp32'"
         )
 
 
@@ -74,5 +93,7 @@ def validate(gm: fx.GraphModule, config: AmpConfig) -> int:
         _check_inplace_fp32(node, config)
         if node.target in BATCH_NORM_OPS:
             _check_batch_norm_stats(node)
+        if node.target in _ONE_DTYPE_OPS:
+            _check_one_dtype(node, config)
         checked += 1
     return checked

@@ -1,0 +1,270 @@
+"""Run the graphs fxamp produced node by node, and say where each node came from.
+
+`InstrumentingCompiler` is an inner compiler for `FxampBackend`: it hands the transformed
+pre-dispatch graph to AOTAutograd exactly as `compiler="aot_eager"` does (same partitioner, so
+the same forward and backward graphs, casts and dtypes) and then runs both graphs under an
+`fx.Interpreter` that shows every value to `visit`. Nothing here changes a graph.
+
+Note [Mapping backward nodes to the forward]: AOTAutograd copies the forward node's `seq_nr`
+and `stack_trace` onto the backward nodes it derives from it (`fwd_nn_module_stack` too), and
+records on each forward node the pre-dispatch node it was traced from (`from_node`). So a
+backward `mm` maps, through `seq_nr`, to the forward `addmm` and, through `from_node`, to the
+`aten.linear` in `fc2` that fxamp annotated. Values a backward graph receives are either saved
+forward values (same names as the forward nodes) or `tangents_i`, the gradients of outputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from torch._functorch.aot_autograd import make_boxed_func
+from torch.utils import _pytree as pytree
+
+from fxamp.backend import _BACKEND_ATTR, FxampBackend, _check_model, config_of
+from fxamp.cast_model import boundary_forward, cast_model
+from fxamp.config import AmpConfig
+from fxamp.errors import ConfigError, FxampError
+from fxamp.passes.annotate import FXAMP_META, short_dtype
+from fxamp.passes.insert_casts import CastInfo
+from fxamp.rules import module_path
+
+__all__ = ["GraphRecord", "Origin", "InstrumentingCompiler", "origin_of", "tensors_of",
+           "display_name", "describe_config",
+           "prepare", "call_model", "default_loss", "backward"]
+
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclasses.dataclass
+class GraphRecord:
+    """One Dynamo graph: fxamp's pre-dispatch graph and what AOTAutograd derived from it."""
+
+    index: int
+    pre: fx.GraphModule
+    forward: Optional[fx.GraphModule] = None
+    backward: Optional[fx.GraphModule] = None
+    by_seq_nr: dict[int, fx.Node] = dataclasses.field(default_factory=dict)
+
+    def set_graph(self, phase: str, gm: fx.GraphModule) -> None:
+        setattr(self, phase, gm)
+        if phase == FORWARD:
+            for node in (n for n in gm.graph.nodes if n.op == "call_function"):
+                self.by_seq_nr.setdefault(node.meta.get("seq_nr", -1), node)
+
+    def input_name(self, node: fx.Node) -> str:
+        """'fc1_weight' for the forward placeholder `primals_2` (fxamp's readable names)."""
+        placeholders = list(self.pre.graph.find_nodes(op="placeholder"))
+        ours = list(self.forward.graph.find_nodes(op="placeholder")) if self.forward else []
+        if node in ours and len(ours) == len(placeholders):
+            return placeholders[ours.index(node)].name
+        return node.name
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a node of a graph that ran comes from, in the user's terms."""
+
+    phase: str  # "forward" or "backward"
+    graph: int
+    node: str  # the node that ran (AOTAutograd's graph)
+    op: str  # the ATen op that ran, e.g. "aten.addmm.default"
+    source_op: str  # the op fxamp annotated, e.g. "aten.linear.default" ("" if none)
+    module: str  # named_modules path of the innermost module, "" at the top level
+    module_type: str
+    source_line: str  # "path/models.py:28 in forward: return self.fc2(...)"
+    policy: str  # fxamp's policy for source_op, and why
+    source_node: Optional[fx.Node] = dataclasses.field(default=None, repr=False, compare=False)
+
+
+def _pre_node(node: fx.Node, record: GraphRecord) -> Optional[fx.Node]:
+    names = {n.name: n for n in record.pre.graph.nodes}
+    for source in node.meta.get("from_node") or ():
+        if source.name in names:
+            return names[source.name]
+    return None
+
+
+def _source_line(stack_trace: Optional[str]) -> str:
+    lines = (stack_trace or "").rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        match = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', lines[i])
+        if match:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{match[1]}:{match[2]} in {match[3]}: {code}"
+    return ""
+
+
+def _module(stack: Optional[dict]) -> tuple[str, str]:
+    if not stack:
+        return "", ""
+    dynamo_path, module_type = list(stack.values())[-1]
+    type_name = getattr(module_type, "__name__", str(module_type).rsplit(".", 1)[-1])
+    return module_path(dynamo_path), type_name
+
+
+def _policy(pre: Optional[fx.Node]) -> str:
+    decision = pre.meta.get(FXAMP_META) if pre is not None else None
+    return "" if decision is None else f"{decision.policy.value} ({decision.reason})"
+
+
+def origin_of(node: fx.Node, phase: str, record: GraphRecord) -> Origin:
+    """The Origin of `node`, a node of `record`'s forward or backward graph."""
+    forward = node
+    if phase == BACKWARD and node.meta.get("partitioner_tag") != "is_forward":
+        forward = record.by_seq_nr.get(node.meta.get("seq_nr", -2), node)  # Note [Mapping...]
+    pre = _pre_node(forward, record)
+    stack = forward.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    module, module_type = _module(stack)
+    op = str(node.target) if node.op == "call_function" else node.op
+    if node.op == "placeholder":
+        op = "input" if phase == FORWARD else \
+            "tangent" if node.name.startswith("tangents") else "saved"
+    return Origin(phase, record.index, node.name, op,
+                  str(pre.target) if pre is not None and pre.op == "call_function" else "",
+                  module, module_type,
+                  _source_line(node.meta.get("stack_trace") or forward.meta.get("stack_trace")),
+                  _policy(pre), pre)
+
+
+def display_name(node: fx.Node, phase: str, record: GraphRecord) -> str:
+    """A node's name, with fxamp's name for graph inputs and the casts it inserted."""
+    if node.op == "placeholder" and phase == FORWARD:
+        name = record.input_name(node)
+        return node.name if name == node.name else f"{node.name} ({name})"
+    pre = _pre_node(node, record) if phase == FORWARD else None
+    if pre is not None and pre.name != node.name and isinstance(
+            pre.meta.get(FXAMP_META), CastInfo):
+        return f"{node.name} ({pre.name})"
+    return node.name
+
+
+def describe_config(config: AmpConfig) -> str:
+    """'O1 | dtype f16' ('O0 | fp32': O0 never uses the low dtype)."""
+    if config.opt_level == "O0":
+        return "O0 | fp32"
+    return f"{config.opt_level} | dtype {short_dtype(config.dtype)}"
+
+
+def tensors_of(value: Any) -> list[tuple[str, torch.Tensor]]:
+    """The floating tensors in a node's value, with a suffix for tuple elements ('', '[1]')."""
+    if isinstance(value, torch.Tensor):
+        return [("", value)] if value.is_floating_point() else []
+    if isinstance(value, (tuple, list)):
+        return [(f"[{i}]", v) for i, v in enumerate(value)
+                if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    return []
+
+
+Visit = Callable[[GraphRecord, str, fx.Node, Any, dict], None]
+
+
+class _Visiting(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, record: GraphRecord, phase: str, visit: Visit):
+        super().__init__(gm)
+        self.record, self.phase, self.visit = record, phase, visit
+
+    def run_node(self, n: fx.Node) -> Any:
+        value = super().run_node(n)
+        if n.op != "output":
+            self.visit(self.record, self.phase, n, value, self.env)
+        return value
+
+
+class InstrumentingCompiler:
+    """An inner compiler for `FxampBackend`: AOTAutograd as `aot_eager`, then interpret.
+
+    `visit(record, phase, node, value, env)` sees every placeholder and op of every forward and
+    backward graph, in execution order, after it ran; `env` holds the values of its inputs.
+    `graphs` lists what each Dynamo graph became.
+    """
+
+    def __init__(self, visit: Visit):
+        self.visit = visit
+        self.graphs: list[GraphRecord] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        from torch._dynamo.backends.debugging import aot_eager
+
+        record = GraphRecord(len(self.graphs), gm)
+        self.graphs.append(record)
+        return aot_eager(gm, example_inputs,
+                         fw_compiler=lambda g, _: self._interpret(record, FORWARD, g),
+                         bw_compiler=lambda g, _: self._interpret(record, BACKWARD, g))
+
+    def _interpret(self, record: GraphRecord, phase: str, gm: fx.GraphModule) -> Callable:
+        record.set_graph(phase, gm)
+        return make_boxed_func(lambda *args: _Visiting(gm, record, phase, self.visit).run(*args))
+
+
+# --------------------------------------------------------------------- running a model under it
+def _private_copy(model: torch.nn.Module) -> torch.nn.Module:
+    # A model fxamp.compile prepared holds its compiled call and backend; the copy gets neither
+    # (deepcopy's memo maps them to None), only the cast parameters and buffers.
+    memo: dict[int, Any] = {}
+    for attr in ("_compiled_call_impl", _BACKEND_ATTR):
+        if model.__dict__.get(attr) is not None:
+            memo[id(model.__dict__[attr])] = None
+    return copy.deepcopy(model, memo)
+
+
+def prepare(model_or_fn: Callable, inner: Callable, *, config: Optional[AmpConfig],
+            opt_level: Optional[str], overrides: dict[str, Any]) -> tuple[Callable, FxampBackend]:
+    """`model_or_fn` compiled with fxamp and `inner`, on a private copy of a module.
+
+    A module `fxamp.compile` already prepared keeps its own config (its weights are cast for
+    it); any other module is copied and cast like `fxamp.compile` would.
+    """
+    if not isinstance(model_or_fn, torch.nn.Module):
+        config = config or AmpConfig.from_opt_level(opt_level or "O1", **overrides)
+        fxamp_backend = FxampBackend(config, compiler=inner)
+        return torch.compile(model_or_fn, backend=fxamp_backend), fxamp_backend
+    existing = config_of(model_or_fn)
+    if existing is not None:
+        if config is not None or opt_level is not None or overrides:
+            raise ConfigError(f"the model was prepared by fxamp.compile with "
+                              f"{existing.opt_level}, whose config its weights are cast for; "
+                              "pass no config, opt_level or overrides, or pass the uncompiled "
+                              "model to try another config")
+        model, config = _private_copy(model_or_fn), existing
+    else:
+        device = _check_model(model_or_fn)
+        config = config or AmpConfig.from_opt_level(opt_level or "O1", **overrides)
+        config = config.resolve(config.device_type or device.type)
+        model = copy.deepcopy(model_or_fn)
+        cast_model(model, config)
+    fxamp_backend = FxampBackend(config, compiler=inner)
+    return torch.compile(boundary_forward(model, config), backend=fxamp_backend), fxamp_backend
+
+
+def call_model(fn: Callable, batch: Any, with_target: bool) -> tuple[Any, Any]:
+    """(outputs, target): `batch` is the model's inputs, or `(inputs, target)` with a loss_fn."""
+    inputs, target = batch if with_target else (batch, None)
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    try:
+        return fn(*args), target
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        if isinstance(e.inner_exception, (FxampError, ConfigError)):
+            raise e.inner_exception from None  # the pass's own message, not Dynamo's wrapper
+        raise
+
+
+def default_loss(outputs: Any) -> Optional[torch.Tensor]:
+    """The fp32 sum of the floating outputs (what explain(backward=True) differentiates)."""
+    floats = [o for o in pytree.tree_leaves(outputs)
+              if isinstance(o, torch.Tensor) and o.is_floating_point()]
+    if not floats:
+        return None
+    return sum(o.float().sum() for o in floats)
+
+
+def backward(loss: Optional[torch.Tensor], loss_scale: float) -> bool:
+    """`(loss * loss_scale).backward()` in fp32, as a loss scaler would; False without a graph."""
+    if loss is None or not loss.requires_grad:
+        return False
+    (loss.float() * loss_scale).backward()
+    return True
