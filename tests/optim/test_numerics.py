@@ -157,3 +157,36 @@ def test_bf16_without_masters_updates_the_model_directly():
     assert all(b.master is None for b in opt.buckets)
     assert opt.state[model[0].weight]["exp_avg"].dtype == torch.bfloat16
     assert not torch.equal(model[0].weight, start[0].weight)
+
+
+def test_gradient_accumulation_over_micro_batches():
+    ours, ref = make_mlp(), make_mlp()
+    opt = fo.AdamW(ours.parameters(), lr=1e-3, compile=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    scaler = fo.LossScaler(compile=False)
+    for step in range(5):
+        opt.zero_grad()
+        for micro in range(3):  # three backward passes, one step
+            scaler.scale(loss_of(ours, 10 * step + micro) / 3).backward()
+        opt.step(scaler)
+        ref_opt.zero_grad()
+        sum(loss_of(ref, 10 * step + micro) / 3 for micro in range(3)).backward()
+        ref_opt.step()
+    assert_rel(ours.parameters(), ref.parameters(), 1e-6, "accumulated")
+
+
+def test_tensor_lr_and_scaler_from_an_opt_level():
+    from fxamp.config import AmpConfig
+
+    ours, ref = make_mlp(), make_mlp()
+    opt = fo.SGD(ours.parameters(), lr=torch.tensor(0.05), compile=False)
+    scaler = fo.LossScaler.from_config(AmpConfig.from_opt_level("O2", loss_scale=128.0),
+                                       compile=False)
+    assert scaler.get_scale() == 128.0 and not scaler.dynamic
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    for step in range(3):
+        opt.param_groups[0]["lr"].fill_(0.05 / (step + 1))  # what schedulers do to tensor lrs
+        ref_opt.param_groups[0]["lr"] = 0.05 / (step + 1)
+        train(ours, opt, 1, scaler, start=step)
+        train(ref, ref_opt, 1, start=step)
+    assert_rel(ours.parameters(), ref.parameters(), 1e-6, "tensor lr")
