@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from fxamp.optim.loss_scaler import ScaleRule, next_scale_state
+from fxamp.optim.scale_rule import ScaleRule, next_scale_state
 
 __all__ = ["prologue", "update", "fold_grads", "compiled"]
 

@@ -1,92 +1,25 @@
-"""Loss scaling held on the device: Apex's, torch GradScaler's and DeepSpeed's dynamic rules.
+"""LossScaler: a static or dynamic loss scale held on the device, and its state-dict formats.
 
 The scale, the growth tracker and the hysteresis counter are 0-dim tensors, so scaling a loss and
-updating the scale after a step never read a value back to the host. The update is a pure function
-(`next_scale_state`) that the fused optimizer step traces into its own graph; `LossScaler.update`
-runs it on its own for the other paths (several losses, FP16_Optimizer).
+updating the scale after a step never read a value back to the host. The rules themselves are in
+scale_rule.py; the fused optimizer step traces them into its own graph, `LossScaler.update` runs
+them on its own for the other paths (several losses, FP16_Optimizer).
 """
 
 from __future__ import annotations
 
 import logging
-import math
-from typing import Any, Mapping, NamedTuple, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from fxamp.config import AmpConfig
+from fxamp.config import AmpConfig, _as_loss_scale
 from fxamp.errors import ConfigError
+from fxamp.optim.scale_rule import UNSET, build_rule, compiled_update, update_in_place
 
-__all__ = ["LossScaler", "ScaleRule", "next_scale_state", "SEMANTICS"]
+__all__ = ["LossScaler"]
 
 log = logging.getLogger(__name__)
-
-SEMANTICS = ("apex", "torch", "deepspeed")
-
-# Defaults per semantics (see ../../../shared/reference/AMP_SEMANTICS.md, "Loss scaling").
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "apex": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                 min_loss_scale=None, max_loss_scale=2.0**24, hysteresis=1),
-    "torch": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                  min_loss_scale=None, max_loss_scale=None, hysteresis=1),
-    "deepspeed": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                      growth_interval=1000, min_loss_scale=1.0, max_loss_scale=None, hysteresis=2),
-}
-_UNSET: Any = object()
-
-
-class ScaleRule(NamedTuple):
-    """How a dynamic scale moves; primitives only, so a compiled step specialises on its value."""
-
-    dynamic: bool
-    growth_factor: float
-    backoff_factor: float
-    growth_interval: int
-    min_scale: Optional[float]
-    max_scale: Optional[float]
-    hysteresis: int
-    consecutive_hysteresis: bool
-    finite_growth_only: bool
-
-
-def next_scale_state(scale: torch.Tensor, tracker: torch.Tensor, hysteresis: torch.Tensor,
-                     found_inf: torch.Tensor, rule: ScaleRule):
-    """(scale, growth tracker, hysteresis left) after a step whose overflow flag is `found_inf`.
-
-    Apex: halve on overflow (floored at min), double after `growth_interval` clean steps (capped
-    at max). torch: the same without caps, growth only to a finite value. DeepSpeed: back off only
-    once `hysteresis` overflows have been seen since the last growth (or the last clean step with
-    `consecutive_hysteresis`). All selects, no host reads.
-    """
-    if not rule.dynamic:
-        return scale, tracker, hysteresis
-    backed = scale * rule.backoff_factor
-    if rule.min_scale is not None:
-        backed = backed.clamp_min(rule.min_scale)
-    clean = tracker + 1
-    grow = ~found_inf & (clean >= rule.growth_interval)
-    grown = scale * rule.growth_factor
-    if rule.max_scale is not None:
-        grown = grown.clamp_max(rule.max_scale)
-    if rule.finite_growth_only:
-        grown = torch.where(torch.isfinite(grown), grown, scale)
-    back_off = found_inf & (hysteresis <= 1)
-    new_scale = torch.where(back_off, backed, torch.where(grow, grown, scale))
-    new_tracker = torch.where(found_inf | grow, torch.zeros_like(clean), clean)
-    reset = ~found_inf if rule.consecutive_hysteresis else grow
-    full = torch.full_like(hysteresis, rule.hysteresis)
-    new_hysteresis = torch.where(found_inf, (hysteresis - 1).clamp_min(1),
-                                 torch.where(reset, full, hysteresis))
-    return new_scale, new_tracker, new_hysteresis
-
-
-def _update_in_place(scale, tracker, hysteresis, found_inf, rule: ScaleRule) -> None:
-    new = next_scale_state(scale, tracker, hysteresis, found_inf, rule)
-    for dst, src in zip((scale, tracker, hysteresis), new):
-        dst.copy_(src)
-
-
-_compiled_update = torch.compile(_update_in_place, fullgraph=True, recompile_limit=64)
 
 
 class LossScaler:
@@ -114,22 +47,22 @@ class LossScaler:
     def __init__(self, loss_scale: Union[float, str] = "dynamic", *, semantics: str = "apex",
                  init_scale: Optional[float] = None, growth_factor: Optional[float] = None,
                  backoff_factor: Optional[float] = None, growth_interval: Optional[int] = None,
-                 min_loss_scale: Any = _UNSET, max_loss_scale: Any = _UNSET,
+                 min_loss_scale: Any = UNSET, max_loss_scale: Any = UNSET,
                  hysteresis: Optional[int] = None, consecutive_hysteresis: bool = False,
                  compile: bool = True) -> None:
         overrides = dict(init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          hysteresis=hysteresis, min_loss_scale=min_loss_scale,
                          max_loss_scale=max_loss_scale)
-        static = _parse_loss_scale(loss_scale)
+        static = _as_loss_scale(loss_scale)  # "dynamic" or a checked float, as in AmpConfig
         self.semantics = semantics
-        self.rule, init = _build_rule(semantics, static is None, consecutive_hysteresis,
-                                      overrides)
-        self._init = (init if static is None else static, 0, self.rule.hysteresis)
+        self.rule, init = build_rule(semantics, static == "dynamic", consecutive_hysteresis,
+                                     overrides)
+        self._init = (init if static == "dynamic" else static, 0, self.rule.hysteresis)
         self._state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._found: Optional[torch.Tensor] = None
         self._round: set[int] = set()
-        self._update = _compiled_update if compile else _update_in_place
+        self._update = compiled_update if compile else update_in_place
 
     @classmethod
     def from_config(cls, config: AmpConfig, **kwargs: Any) -> "LossScaler":
@@ -244,57 +177,6 @@ class LossScaler:
     def __repr__(self) -> str:
         kind = "dynamic" if self.rule.dynamic else "static"
         return f"LossScaler({kind}, semantics={self.semantics!r}, device={self._device()})"
-
-
-def _parse_loss_scale(value: Any) -> Optional[float]:
-    if value == "dynamic":
-        return None
-    try:
-        scale = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"loss_scale={value!r} must be 'dynamic', a positive number or a "
-                          "numeric string") from None
-    if not 0 < scale < math.inf:
-        raise ConfigError(f"loss_scale={value!r} must be a positive finite number or 'dynamic'")
-    return scale
-
-
-def _opt_float(value: Any) -> Optional[float]:
-    return None if value is None else float(value)
-
-
-def _build_rule(semantics: str, dynamic: bool, consecutive_hysteresis: bool,
-                overrides: dict[str, Any]) -> tuple[ScaleRule, float]:
-    if semantics not in SEMANTICS:
-        raise ConfigError(f"semantics={semantics!r} is not one of {', '.join(SEMANTICS)}")
-    d = dict(_DEFAULTS[semantics])
-    # None keeps a default, except for min/max where None means "no floor/cap".
-    d.update((k, v) for k, v in overrides.items()
-             if v is not _UNSET and (v is not None or k.endswith("loss_scale")))
-    rule = ScaleRule(
-        dynamic=dynamic, growth_factor=float(d["growth_factor"]),
-        backoff_factor=float(d["backoff_factor"]), growth_interval=int(d["growth_interval"]),
-        min_scale=_opt_float(d["min_loss_scale"]) or None,  # Apex: 0 means no floor
-        max_scale=_opt_float(d["max_loss_scale"]), hysteresis=int(d["hysteresis"]),
-        consecutive_hysteresis=bool(consecutive_hysteresis),
-        finite_growth_only=semantics == "torch")
-    _check_rule(rule)
-    init = float(d["init_scale"])
-    if rule.max_scale is not None:
-        init = min(init, rule.max_scale)  # Apex caps the initial scale too
-    return rule, init
-
-
-def _check_rule(rule: ScaleRule) -> None:
-    if not (rule.growth_factor > 1 and 0 < rule.backoff_factor < 1):
-        raise ConfigError(f"growth_factor={rule.growth_factor} must be > 1 and backoff_factor="
-                          f"{rule.backoff_factor} in (0, 1)")
-    if rule.growth_interval < 1 or rule.hysteresis < 1:
-        raise ConfigError(f"growth_interval={rule.growth_interval} and hysteresis="
-                          f"{rule.hysteresis} must be positive ints")
-    if rule.min_scale and rule.max_scale and rule.min_scale > rule.max_scale:
-        raise ConfigError(f"min_loss_scale={rule.min_scale} exceeds max_loss_scale="
-                          f"{rule.max_scale}")
 
 
 def _single_scaler_entry(sd: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -157,7 +157,7 @@ def test_loads_apex_state_dict():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(loss_scale="auto"), "must be 'dynamic', a positive number"),
+    (dict(loss_scale="auto"), "loss_scale='auto' must be a positive number, a numeric string"),
     (dict(loss_scale=-1.0), "positive finite"),
     (dict(semantics="apx"), "is not one of apex, torch, deepspeed"),
     (dict(min_loss_scale=8.0, max_loss_scale=4.0), "exceeds max_loss_scale"),
