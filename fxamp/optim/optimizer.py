@@ -46,6 +46,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.master_weights = master_weights
         self._fns = fused_step.compiled if compile else fused_step.eager
+        self._unit = LossScaler(1.0, compile=compile)  # for unscale_ without any scaler
         self._buckets = flatten_param_groups(self.param_groups, master_weights=master_weights,
                                              owner=type(self).__name__)
         device = self.param_groups[0]["params"][0].device
@@ -167,7 +168,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         if scaler is None and self._raw_scaler is None and self._involved:
             return  # everything since the last backward is folded already
-        scaler = scaler or self._raw_scaler or self._default_scaler() or self._unit_scaler()
+        scaler = scaler or self._raw_scaler or self._default_scaler() or self._unit
         for b in self._buckets:
             if b.acc is None:
                 b.acc = torch.zeros(b.grad.shape, dtype=torch.float32, device=self._device)
@@ -190,11 +191,6 @@ class FusedOptimizer(torch.optim.Optimizer):
         for s in self._involved:
             s.leave_round(id(self))
         self._involved = []
-
-    def _unit_scaler(self) -> LossScaler:
-        if not hasattr(self, "_unit"):
-            self._unit = LossScaler(1.0)
-        return self._unit
 
     def before_backward(self, scaler: LossScaler) -> None:
         """Called by scale_loss: fold raw gradients that carry another scaler's scale."""
