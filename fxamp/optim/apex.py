@@ -99,6 +99,7 @@ def _check_models(models: list) -> None:
 
 def _check_optimizers(opts: list) -> None:
     seen: dict[int, int] = {}
+    owner: dict[int, int] = {}  # parameter id -> optimizer index
     for i, opt in enumerate(opts):
         if not isinstance(opt, torch.optim.Optimizer):
             raise ConfigError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch "
@@ -108,6 +109,12 @@ def _check_optimizers(opts: list) -> None:
                               f"{type(opt).__name__}: an optimizer passed twice would be "
                               "converted twice; pass each optimizer once")
         seen[id(opt)] = i
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if owner.setdefault(id(p), i) != i:
+                    raise ConfigError(f"a parameter of shape {tuple(p.shape)} is in both "
+                                      f"optimizers[{owner[id(p)]}] and optimizers[{i}]; each "
+                                      "parameter can live in one flat buffer only")
 
 
 _NATIVE = {torch.optim.AdamW: optimizers.AdamW, torch.optim.Adam: optimizers.Adam,

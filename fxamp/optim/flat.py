@@ -96,6 +96,11 @@ class FlatBucket:
 
     def sync_from_params(self) -> None:
         """Repair gradient views and stale masters; see Note [Keeping the flat views honest]."""
+        if self.params[0].data_ptr() != self.param.data_ptr():
+            raise ConfigError(
+                f"the parameters of param group {self.group_index} no longer live in the "
+                "optimizer's flat buffer: their .data was replaced (model.to(), .half(), a cast) "
+                "after the optimizer was built; move and cast the model first")
         for i, (p, g) in enumerate(zip(self.params, self.grad_views)):
             if p.grad is not g:
                 self._adopt_grad(i)

@@ -32,6 +32,22 @@ def test_optimizer_passed_twice():
         fo.initialize(model, [opt, opt], compiler="aot_eager")
 
 
+def test_parameter_shared_by_two_optimizers():
+    pytest.importorskip("fxamp.backend")
+    model = make_mlp()
+    opts = [torch.optim.AdamW(model.parameters()), torch.optim.SGD(model[0].parameters(), lr=1)]
+    with pytest.raises(ConfigError, match=r"in both optimizers\[0\] and optimizers\[1\]"):
+        fo.initialize(model, opts, compiler="aot_eager")
+
+
+def test_model_cast_after_the_optimizer_was_built():
+    model = make_mlp()
+    opt = fo.AdamW(model.parameters(), compile=False)
+    model.to(torch.bfloat16)
+    with pytest.raises(ConfigError, match="no longer live in the optimizer's flat buffer"):
+        opt.step()
+
+
 def test_closure_with_dynamic_scaling():
     model = make_mlp()
     opt = fo.AdamW(model.parameters(), compile=False)
