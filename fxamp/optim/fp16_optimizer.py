@@ -98,8 +98,9 @@ class FP16_Optimizer:
             return
         for bucket in self._buckets:
             bucket.sync_from_params()
-        self._fold([b.grad for b in self._buckets], [m.grad for m in self._masters],
-                   scaler.state_tensors(self._device)[0], scaler.round_found(self._device))
+        inv_scale = fused_step.inverse(scaler.state_tensors(self._device)[0])
+        self._fold([b.grad for b in self._buckets], [m.grad for m in self._masters], inv_scale,
+                   scaler.round_found(self._device))
         if scaler not in self._involved:
             self._involved.append(scaler)
             scaler.join_round(id(self))

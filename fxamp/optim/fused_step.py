@@ -25,7 +25,7 @@ import torch
 
 from fxamp.optim.scale_rule import ScaleRule, next_scale_state
 
-__all__ = ["prologue", "update", "fold_grads", "compiled"]
+__all__ = ["prologue", "update", "fold_grads", "inverse", "compiled", "eager"]
 
 Tensor = torch.Tensor
 # Columns the prologue appends to every group's row of scalars.
@@ -50,10 +50,12 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
             found = found | ~torch.isfinite(g).all()
     inv_scale = torch.ones((), dtype=torch.float32, device=step.device)
     if scaler_state is not None:
-        inv_scale = scaler_state[0].double().reciprocal().float()  # as GradScaler does
+        inv_scale = inverse(scaler_state[0])
     grad_scale = inv_scale
     if max_norm is not None:  # torch.nn.utils.clip_grad_norm_'s formula, on unscaled grads
-        norm = sum((g.float() * inv_scale).square().sum() for g in grads).sqrt()
+        # Unscaled after the reduction: inside it, 1/scale would be recomputed per vector (see
+        # the Note). Squares of scaled fp32 grads overflow only for true grads above ~1e14.
+        norm = sum(g.float().square().sum() for g in grads).sqrt() * inv_scale
         norm_out.copy_(norm)
         grad_scale = inv_scale * (max_norm / (norm + 1e-6)).clamp_max(1.0)
     new_step = step + (~found).to(step.dtype)
@@ -87,20 +89,25 @@ def update(weights: Sequence[Tensor], grads: Sequence[Tensor],
             model.copy_(new_w)
 
 
-def fold_grads(raws: Sequence[Tensor], accs: Sequence[Tensor], scale: Tensor,
+def fold_grads(raws: Sequence[Tensor], accs: Sequence[Tensor], inv_scale: Tensor,
                found: Tensor) -> None:
-    """acc += raw / scale and raw = 0, OR-ing raw's overflow into `found`.
+    """acc += raw * inv_scale and raw = 0, OR-ing raw's overflow into `found`.
 
     Gradients of losses with different scales meet here (several losses, Apex's master grads);
-    `found` is the scaler's flag for the current step.
+    `found` is the scaler's flag for the current step. `inv_scale` comes in computed (see
+    `inverse`): a reciprocal inside this graph would be recomputed per vector.
     """
-    inv_scale = scale.double().reciprocal().float()
     flag = found
     for raw, acc in zip(raws, accs):
         flag = flag | ~torch.isfinite(raw).all()
         acc.add_(raw.to(acc.dtype) * inv_scale)
         raw.zero_()
     found.copy_(flag)
+
+
+def inverse(scale: Tensor) -> Tensor:
+    """1 / scale rounded as GradScaler rounds it (through float64)."""
+    return scale.double().reciprocal().float()
 
 
 def _compile(fn):

@@ -173,9 +173,9 @@ class FusedOptimizer(torch.optim.Optimizer):
             if b.acc is None:
                 b.acc = torch.zeros(b.grad.shape, dtype=torch.float32, device=self._device)
             b.sync_from_params()
-        scale, found = scaler.state_tensors(self._device)[0], scaler.round_found(self._device)
+        inv_scale = fused_step.inverse(scaler.state_tensors(self._device)[0])
         self._fns["fold_grads"]([b.grad for b in self._buckets], [b.acc for b in self._buckets],
-                                scale, found)
+                                inv_scale, scaler.round_found(self._device))
         if scaler not in self._involved:
             self._involved.append(scaler)
             scaler.join_round(id(self))
