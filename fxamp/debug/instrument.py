@@ -49,6 +49,10 @@ class GraphRecord:
     forward: Optional[fx.GraphModule] = None
     backward: Optional[fx.GraphModule] = None
     by_seq_nr: dict[int, fx.Node] = dataclasses.field(default_factory=dict)
+    pre_by_name: dict[str, fx.Node] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pre_by_name = {n.name: n for n in self.pre.graph.nodes}
 
     def set_graph(self, phase: str, gm: fx.GraphModule) -> None:
         setattr(self, phase, gm)
@@ -82,10 +86,9 @@ class Origin:
 
 
 def _pre_node(node: fx.Node, record: GraphRecord) -> Optional[fx.Node]:
-    names = {n.name: n for n in record.pre.graph.nodes}
     for source in node.meta.get("from_node") or ():
-        if source.name in names:
-            return names[source.name]
+        if source.name in record.pre_by_name:
+            return record.pre_by_name[source.name]
     return None
 
 

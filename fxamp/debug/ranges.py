@@ -36,6 +36,8 @@ FP16_MIN_NORMAL = 2.0**-14  # below this fp16 keeps fewer than 11 significant bi
 NEAR_MAX = FP16_MAX / 16  # within 4 binades of overflow: a loss scale or an outlier away
 UNDERFLOW_RISK = 0.01  # a fraction of values flushed to zero worth a look
 
+aten = torch.ops.aten
+
 
 @dataclasses.dataclass(frozen=True)
 class RangeRow:
@@ -97,9 +99,13 @@ class _Accumulator:
                         short_dtype(self.dtype), self.numel, float(self.max), *fractions)
 
 
+_COPIES = frozenset((aten.clone.default, aten._unsafe_view.default, aten.alias.default))
+
+
 def _skipped(node: fx.Node) -> bool:
-    # Views and getitem repeat values recorded already (a tuple output is recorded per element).
-    if node.op != "call_function" or node.target is operator.getitem:
+    # Views, copies and getitem repeat values recorded already (a tuple output is recorded per
+    # element at the op that returns it).
+    if node.op != "call_function" or node.target is operator.getitem or node.target in _COPIES:
         return True
     return isinstance(node.target, OpOverload) and node.target.is_view
 
@@ -207,6 +213,8 @@ def range_stats(model_or_fn: Callable, batches: Union[Iterable[Any], torch.Tenso
             function of tensors.
         batches: an iterable of batches, each as `locate_overflow` takes one: the model's
             inputs, or `(inputs, target)` with `loss_fn`. A single tensor is one batch.
+            Rows aggregate the batches each graph ran: a batch that recompiles (another
+            shape) gets rows of its own under the next graph index.
         loss_fn: `loss_fn(output, target) -> loss`; None differentiates the sum of outputs.
         loss_scale: multiplies the loss before backward; gradient rows are of scaled values,
             as they are in training.
