@@ -75,8 +75,11 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[...,
     # Note [One code object per compiled model]: Dynamo caches compiled graphs per code object.
     # Closures share their code, so every model compiled by fxamp would pile its entries (and
     # its recompiles) onto one cache until Dynamo's recompile limit silently sent models back
-    # to eager fp32. A copy of the code object gives each model its own cache.
-    return types.FunctionType(forward.__code__.replace(), forward.__globals__, "forward",
+    # to eager fp32. A copy of the code object gives each model its own cache; its own name
+    # keeps Dynamo's automatic-dynamic memory (keyed by name and place) per model too, so one
+    # model seeing several batch sizes does not make the next one compile with dynamic shapes.
+    name = f"forward_{type(model).__name__}_{id(model):x}"
+    return types.FunctionType(forward.__code__.replace(co_name=name), forward.__globals__, name,
                               forward.__defaults__, forward.__closure__)
 
 
