@@ -3,7 +3,7 @@ number of parameter tensors, and (on a GPU) a step never synchronises with the h
 
 import pytest
 import torch
-from optim_helpers import loss_of, make_mlp, train
+from optim_helpers import make_mlp, train
 
 import fxamp.optim as fo
 
@@ -84,4 +84,4 @@ def test_cuda_step_never_synchronises():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert opt.last_step_skipped()
-    assert loss_of(model.float(), 0).isfinite()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
