@@ -74,10 +74,6 @@ class FlatBucket:
         """The tensor the update reads and writes: the fp32 master, or the parameters."""
         return self.param if self.master is None else self.master
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.param.dtype
-
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
         return flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
@@ -136,9 +132,9 @@ class FlatBucket:
         """Record that the masters now match the parameters (after loading both)."""
         self.versions = [p._version for p in self.params]
 
-    def state_like(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    def state_like(self) -> torch.Tensor:
         """A zeroed flat state buffer (optimizer moments) laid out like the weights."""
-        return torch.zeros_like(self.weights, dtype=dtype or self.weights.dtype)
+        return torch.zeros_like(self.weights)
 
 
 def _layout(params: Sequence[torch.Tensor]) -> tuple[list[int], int]:

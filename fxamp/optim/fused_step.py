@@ -63,7 +63,7 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
     tail = torch.stack([grad_scale, found.float()]).expand(coefs.shape[0], 2)
     step.copy_(new_step)
     found_out.copy_(found)
-    if scaler_state is not None and rule is not None and rule.dynamic:
+    if scaler_state is not None and rule.dynamic:
         for dst, src in zip(scaler_state, next_scale_state(*scaler_state, found, rule)):
             dst.copy_(src)
     return torch.cat([coefs, tail], 1)
