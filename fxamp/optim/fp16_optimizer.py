@@ -17,6 +17,7 @@ import torch
 from fxamp.errors import ConfigError
 from fxamp.optim import fused_step
 from fxamp.optim.flat import flatten_param_groups
+from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
 
 __all__ = ["FP16_Optimizer"]
@@ -24,7 +25,7 @@ __all__ = ["FP16_Optimizer"]
 log = logging.getLogger(__name__)
 
 
-class FP16_Optimizer:
+class FP16_Optimizer(GradientFolding):
     """Wrap `init_optimizer` with fp32 master weights and static or dynamic loss scaling.
 
     Args:
@@ -58,7 +59,7 @@ class FP16_Optimizer:
         self._device = self._masters[0].device if self._masters else torch.device("cpu")
         self.overflow_tensor = torch.zeros((), dtype=torch.bool, device=self._device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
-        self._fold = (fused_step.compiled if compile else fused_step.eager)["fold_grads"]
+        self._fold_fn = (fused_step.compiled if compile else fused_step.eager)["fold_grads"]
         self._raw_scaler: Optional[LossScaler] = None
         self._involved: list[LossScaler] = []
         (log.info if verbose else log.debug)(
@@ -83,28 +84,18 @@ class FP16_Optimizer:
         if update_master_grads:
             self.update_master_grads()
 
-    def before_backward(self, scaler: LossScaler) -> None:
-        if self._raw_scaler is not None and self._raw_scaler is not scaler:
-            self.update_master_grads()
-
-    def after_backward(self, scaler: LossScaler) -> None:
-        self._raw_scaler = scaler
+    def fold_pending(self) -> None:
+        self.update_master_grads()
 
     def update_master_grads(self) -> None:
         """Add the model's gradients, unscaled, to the masters' `.grad` and zero them; record
         overflow. Runs at most once per backward."""
-        scaler = self._raw_scaler
-        if scaler is None:
+        if self._raw_scaler is None:
             return
         for bucket in self._buckets:
             bucket.sync_from_params()
-        inv_scale = fused_step.inverse(scaler.state_tensors(self._device)[0])
-        self._fold([b.grad for b in self._buckets], [m.grad for m in self._masters], inv_scale,
-                   scaler.round_found(self._device))
-        if scaler not in self._involved:
-            self._involved.append(scaler)
-            scaler.join_round(id(self))
-        self._raw_scaler = None
+        self._fold(self._raw_scaler, [b.grad for b in self._buckets],
+                   [m.grad for m in self._masters])
 
     # ---------------------------------------------------------------------------------- step
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -123,8 +114,7 @@ class FP16_Optimizer:
 
     def _refresh_overflow(self) -> None:
         if self._involved:
-            flags = [s.round_found(self._device) for s in self._involved]
-            self.overflow_tensor.copy_(torch.stack(flags).any())
+            self.overflow_tensor.copy_(self._round_found())
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Step the wrapped optimizer on the masters unless the gradients overflowed, copy the
@@ -145,9 +135,7 @@ class FP16_Optimizer:
             for bucket in self._buckets:
                 if bucket.master is not None:
                     bucket.param.copy_(bucket.master)
-        for scaler in self._involved:
-            scaler.leave_round(id(self))
-        self._involved = []
+        self._end_round()
         return loss
 
     def _step_inner(self) -> None:

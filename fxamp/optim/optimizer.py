@@ -17,6 +17,7 @@ from fxamp.errors import ConfigError
 from fxamp.optim import checkpoint, fused_step
 from fxamp.optim.algorithms import Algorithm
 from fxamp.optim.flat import FlatBucket, flatten_param_groups
+from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
 
 __all__ = ["FusedOptimizer"]
@@ -24,7 +25,7 @@ __all__ = ["FusedOptimizer"]
 log = logging.getLogger(__name__)
 
 
-class FusedOptimizer(torch.optim.Optimizer):
+class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     """Base of fxamp's Adam, AdamW, SGD and LAMB; subclasses set `algorithm` and the defaults.
 
     Every parameter with `requires_grad` becomes a view into a flat buffer per (group, dtype);
@@ -46,6 +47,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.master_weights = master_weights
         self._fns = fused_step.compiled if compile else fused_step.eager
+        self._fold_fn = self._fns["fold_grads"]
         self._unit = LossScaler(1.0, compile=compile)  # for unscale_ without any scaler
         self._buckets = flatten_param_groups(self.param_groups, master_weights=master_weights,
                                              owner=type(self).__name__)
@@ -173,32 +175,19 @@ class FusedOptimizer(torch.optim.Optimizer):
             if b.acc is None:
                 b.acc = torch.zeros(b.grad.shape, dtype=torch.float32, device=self._device)
             b.sync_from_params()
-        inv_scale = fused_step.inverse(scaler.state_tensors(self._device)[0])
-        self._fns["fold_grads"]([b.grad for b in self._buckets], [b.acc for b in self._buckets],
-                                inv_scale, scaler.round_found(self._device))
-        if scaler not in self._involved:
-            self._involved.append(scaler)
-            scaler.join_round(id(self))
-        self._raw_scaler = None
+        self._fold(scaler, [b.grad for b in self._buckets], [b.acc for b in self._buckets])
+
+    def fold_pending(self) -> None:
+        self.unscale_(self._raw_scaler)
 
     def _step_from_folded(self, pending: Optional[LossScaler]) -> None:
         if pending is not None:
             self.unscale_(pending)
-        found = torch.stack([s.round_found(self._device) for s in self._involved]).any()
-        self._fused_step([b.acc for b in self._buckets], None, check=True, found_in=found)
+        self._fused_step([b.acc for b in self._buckets], None, check=True,
+                         found_in=self._round_found())
         for b in self._buckets:
             b.acc.zero_()
-        for s in self._involved:
-            s.leave_round(id(self))
-        self._involved = []
-
-    def before_backward(self, scaler: LossScaler) -> None:
-        """Called by scale_loss: fold raw gradients that carry another scaler's scale."""
-        if self._raw_scaler is not None and self._raw_scaler is not scaler:
-            self.unscale_(self._raw_scaler)
-
-    def after_backward(self, scaler: LossScaler) -> None:
-        self._raw_scaler = scaler
+        self._end_round()
 
     # ------------------------------------------------------------------------------ plumbing
     def zero_grad(self, set_to_none: bool = True) -> None:
