@@ -8,6 +8,7 @@ weights themselves are 16-bit, which no graph pass can do. Parameters keep their
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any, Callable, Optional
 
@@ -44,11 +45,18 @@ def _cast_floats(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...
     # Plain recursion rather than pytree: Dynamo traces it without a graph break.
     if isinstance(value, torch.Tensor):
         return value.to(dtype) if value.dtype in sources else value
+    # Containers keep their type: a named tuple stays one, and so does a dict subclass such as
+    # transformers' ModelOutput (a dataclass built from keywords), so `outputs.logits` works.
     if isinstance(value, (list, tuple)):
         cast = [_cast_floats(v, dtype, sources) for v in value]
-        return tuple(cast) if isinstance(value, tuple) else cast
+        if type(value) in (list, tuple):
+            return type(value)(cast)
+        return type(value)(*cast) if hasattr(value, "_fields") else type(value)(cast)
     if isinstance(value, dict):
-        return {k: _cast_floats(v, dtype, sources) for k, v in value.items()}
+        cast = {k: _cast_floats(v, dtype, sources) for k, v in value.items()}
+        if type(value) is dict:
+            return cast
+        return type(value)(**cast) if dataclasses.is_dataclass(value) else type(value)(cast)
     return value
 
 

@@ -1,5 +1,6 @@
 """The backend through real torch.compile + Inductor: compile counts, composition, caching."""
 
+import collections
 import copy
 
 import pytest
@@ -115,3 +116,27 @@ def test_cast_model_outputs_at_the_boundary():
     assert model(x).dtype == torch.bfloat16
     with pytest.raises(fxamp.ConfigError, match="cast_model_outputs applies at the model"):
         fxamp.backend(opt_level="O2", cast_model_outputs=torch.float32)
+
+
+class _Pair(torch.nn.Module):
+    """Returns its outputs in the containers models use: a named tuple and an OrderedDict."""
+
+    Out = collections.namedtuple("Out", "logits hidden")
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return self.Out(h, [h]), collections.OrderedDict(h=h, n=torch.arange(2))
+
+
+def test_boundary_casts_keep_the_output_containers():
+    model = _Pair()
+    fxamp.compile(model, opt_level="O2", compiler="aot_eager")
+    out, named = model(torch.randn(2, 4))
+    assert type(out) is _Pair.Out and type(out.hidden) is list
+    assert type(named) is collections.OrderedDict
+    assert (out.logits.dtype, out.hidden[0].dtype) == (torch.float32, torch.float32)
+    assert (named["h"].dtype, named["n"].dtype) == (torch.float32, torch.int64)

@@ -139,9 +139,6 @@ def test_no_graph_breaks_added_and_explain_works(cases, name, opt_level):
         (r.op, r.module, r.output) for r in matmuls if r.output != "f16"]
 
 
-@pytest.mark.xfail(strict=True, reason="fxamp's O2/O3 output cast (cast_model._cast_floats) "
-                   "rebuilds a dict subclass such as transformers' ModelOutput as a plain dict, "
-                   "so `outputs.logits` fails; remove this mark when it keeps the type")
 def test_o2_keeps_the_model_output_type(cases):
     case = _case(cases, "gpt2")
     model = fxamp.compile(copy.deepcopy(case.model), opt_level="O2", compiler="aot_eager")
