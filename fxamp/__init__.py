@@ -6,6 +6,8 @@ from fxamp.errors import BannedOpError, ConfigError, FxampError
 from fxamp.policy import CastPolicy
 from fxamp.explain import Explanation, explain
 from fxamp.debug import SkipMonitor, locate_overflow, range_stats
+from fxamp import optim
+from fxamp.optim import LossScaler, initialize, master_params, scale_loss
 
 __all__ = [
     "AmpConfig",
@@ -23,5 +25,10 @@ __all__ = [
     "SkipMonitor",
     "locate_overflow",
     "range_stats",
+    "optim",
+    "LossScaler",
+    "initialize",
+    "scale_loss",
+    "master_params",
 ]
 __version__ = "0.1.0"

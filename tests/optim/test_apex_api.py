@@ -169,3 +169,29 @@ def test_fp16_optimizer_skips_clips_and_scales():
     assert len(list(fo.master_params(opt))) == 4
     opt.loss_scale = 64.0
     assert opt.loss_scaler.get_scale() == 64.0
+
+
+def test_an_apex_script_runs_with_import_fxamp_as_amp():
+    """The one-line migration: Apex's own loop with `import fxamp as amp` tracks fp32 training.
+    O1 on CPU runs the matmuls in bf16, and Adam's normalised steps (lr 1e-2) turn its rounding
+    into a whole step where a gradient is near 0: weights within 3 steps (measured 2.0e-2),
+    loss on an unseen batch within 1e-3 relative (measured 1.2e-4)."""
+    import fxamp as amp
+
+    model, ref = make_mlp(), make_mlp()
+    model, optimizer = amp.initialize(model, _adamw(model), opt_level="O1",
+                                      compiler="aot_eager")
+    ref_opt = _adamw(ref)
+    for step in range(10):
+        optimizer.zero_grad()
+        with amp.scale_loss(loss_of(model, step), optimizer) as scaled_loss:
+            scaled_loss.backward()
+        optimizer.step()
+        ref_opt.zero_grad()
+        loss_of(ref, step).backward()
+        ref_opt.step()
+    assert [p.dtype for p in amp.master_params(optimizer)] == [torch.float32] * 4
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=0, atol=3e-2)
+    with torch.no_grad():
+        torch.testing.assert_close(loss_of(model, 99), loss_of(ref, 99), rtol=1e-3, atol=0)
