@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 from typing import Any, Callable, Optional
@@ -9,6 +10,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters as dynamo_counters
 from torch._functorch.aot_autograd import make_boxed_func
 
 from fxamp.backend import CompiledGraph, FxampBackend, _check_model, compile_module
@@ -74,7 +76,7 @@ class Explanation:
                f"graphs: {len(self.graphs)} | graph breaks: {self.graph_breaks} | "
                f"casts inserted: {self.casts_inserted} (+{self.boundary_casts} at the model "
                f"boundary) | ops kept in fp32: {self.ops_in_fp32}"]
-        out += [f"  break: {r}" for r in self.break_reasons]
+        out += [f"  break: {r.splitlines()[0]}" for r in self.break_reasons]
         for i, g in enumerate(self.graphs):
             out += ["", f"== forward graph {i} (after fxamp) ==", format_graph(g.graph_module)]
         for i, g in enumerate(self.backward_graphs):
@@ -157,6 +159,12 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
         compile_module(target, fxamp_backend)
     else:
         target = torch.compile(target, backend=fxamp_backend)
+    # Note [Counting graph breaks without a reset]: torch._dynamo.explain resets Dynamo, which
+    # throws away every compiled graph in the process (a training loop would recompile after
+    # each explain()). Dynamo also counts every break it takes, by reason, in a process-wide
+    # counter; the difference across this one run is this run's breaks. The copy and the
+    # fresh backend compile afresh, so nothing is served from a cache.
+    breaks_before = collections.Counter(dynamo_counters["graph_break"])
     try:
         outputs = target(*example_inputs)
     except torch._dynamo.exc.BackendCompilerFailed as e:
@@ -167,8 +175,8 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
         floats = [o for o in torch.utils._pytree.tree_leaves(outputs)
                   if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
         sum(o.float().sum() for o in floats).backward()
-    # Graph breaks do not depend on dtypes: count them on the caller's own, uncast model.
-    dynamo = torch._dynamo.explain(model_or_fn)(*example_inputs)
+    breaks = collections.Counter(dynamo_counters["graph_break"]) - breaks_before
+    reasons = [reason for reason, n in breaks.items() for _ in range(n)]
     graphs = fxamp_backend.compiled_graphs
     rows = [row for i, g in enumerate(graphs) for row in _rows(i, g.graph_module)]
     table = None
@@ -177,5 +185,5 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
 
         table = range_stats(model_or_fn, [example_inputs], backward=backward, config=config)
     return Explanation(graphs[0].config if graphs else config, graphs, recorder.backward, rows,
-                       dynamo.graph_break_count, [str(r.reason) for r in dynamo.break_reasons],
+                       len(reasons), reasons,
                        table)

@@ -130,10 +130,17 @@ def check_op_override_keys(config: AmpConfig) -> None:
             )
 
 
+def _traced_in(node: torch.fx.Node, path: str) -> bool:
+    """Whether the innermost frame of `node`'s stack trace is in `path` (every node of a model
+    compiled by fxamp.compile has cast_model.py further out in its stack)."""
+    frames = (node.meta.get("stack_trace") or "").split('File "')
+    return len(frames) > 1 and frames[-1].split('"', 1)[0].endswith(path)
+
+
 def choose_policy(node: torch.fx.Node, config: AmpConfig) -> tuple[CastPolicy, str]:
     """The policy for one call_function node and the reason, by the documented precedence."""
     op = node.target
-    if op in USER_CAST_OPS and BOUNDARY_FILE in (node.meta.get("stack_trace") or ""):
+    if op in USER_CAST_OPS and _traced_in(node, BOUNDARY_FILE):
         return CastPolicy.KEEP, BOUNDARY_REASON
     if not isinstance(op, OpOverload) or op in USER_CAST_OPS:
         return CastPolicy.KEEP, "not a castable op"

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
 import fxamp
 from examples import models
@@ -56,6 +57,19 @@ def test_explain_reports_graph_breaks():
     report = fxamp.explain(fn, torch.randn(2, 2), opt_level="O1")
     assert report.graph_breaks == 1 and len(report.graphs) == 2
     assert "graph breaks: 1" in str(report)
+    assert "break: Call to `torch._dynamo.graph_break()`" in str(report)
+
+
+def test_explain_keeps_other_compiled_models_compiled():
+    # torch._dynamo.explain would reset Dynamo and make the training model compile again.
+    model, (x,) = models.mlp()
+    counting = CompileCounter()
+    compiled = torch.compile(model, backend=counting)
+    compiled(x)
+    other, inputs = models.cnn()
+    fxamp.explain(other, *inputs, opt_level="O1")
+    compiled(x)
+    assert counting.frame_count == 1
 
 
 def test_torch_logs_shows_the_passes():
@@ -68,3 +82,20 @@ def test_torch_logs_shows_the_passes():
     assert "fxamp O1 (torch-cpu): PassStats(ops_annotated=2" in result.stderr
     assert "linear: bf16[8,32] = linear(args_0_bf16, fc1_weight_bf16, fc1_bias_bf16)" in \
         result.stderr
+
+
+class _UserCasts(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).double().sum().float()
+
+
+@pytest.mark.parametrize("level, boundary", [("O1", 0), ("O2", 1)])  # O2: the input
+def test_the_users_own_casts_are_not_boundary_casts(level, boundary):
+    report = fxamp.explain(_UserCasts(), torch.randn(2, 4), opt_level=level)
+    assert report.boundary_casts == boundary
+    text = str(report)
+    assert "= to.dtype(linear, f64)\n" in text and "= to.dtype(sum_1, f32)\n" in text
