@@ -22,6 +22,7 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from fxamp.errors import ConfigError
+from fxamp.optim.distributed import is_dtensor
 
 __all__ = ["FlatBucket", "flatten_param_groups", "LOW_PRECISION", "ALIGN"]
 
@@ -45,6 +46,8 @@ class FlatBucket:
         grad: flat model-dtype gradient buffer.
         master: flat fp32 copy of `param` for 16-bit parameters with master weights, else None.
     """
+
+    sharded = False  # see sharded.ShardedBucket
 
     def __init__(self, group_index: int, params: Sequence[torch.nn.Parameter], *,
                  master_weights: bool) -> None:
@@ -128,6 +131,9 @@ class FlatBucket:
         log.debug("parameter %d of group %d was written outside the optimizer; master refreshed",
                   i, self.group_index)
 
+    def write_back(self) -> None:
+        """Nothing to do: the parameters are views of `param` (ShardedBucket copies)."""
+
     def mark_params_synced(self) -> None:
         """Record that the masters now match the parameters (after loading both)."""
         self.versions = [p._version for p in self.params]
@@ -156,16 +162,24 @@ def flatten_param_groups(param_groups: Sequence[dict], *, master_weights: bool,
     _check_devices(param_groups, owner)
     buckets = []
     for gi, group in enumerate(param_groups):
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        by_kind: dict[tuple[torch.dtype, bool], list[torch.nn.Parameter]] = {}
         for pi, p in enumerate(group["params"]):
             _check_param(p, gi, pi, owner)
             if p.requires_grad:
-                by_dtype.setdefault(p.dtype, []).append(p)
-        for params in by_dtype.values():
-            buckets.append(FlatBucket(gi, params, master_weights=master_weights))
+                by_kind.setdefault((p.dtype, is_dtensor(p)), []).append(p)
+        for (_, dtensor), params in by_kind.items():
+            kind = _sharded_bucket() if dtensor else FlatBucket
+            buckets.append(kind(gi, params, master_weights=master_weights))
     log.debug("%s: %d buckets, %d parameters", owner, len(buckets),
               sum(len(b.params) for b in buckets))
     return buckets
+
+
+def _sharded_bucket() -> type:
+    # Imported here: ShardedBucket subclasses FlatBucket.
+    from fxamp.optim.sharded import ShardedBucket
+
+    return ShardedBucket
 
 
 def _check_param(p: torch.Tensor, gi: int, pi: int, owner: str) -> None:

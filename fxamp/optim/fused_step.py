@@ -19,10 +19,11 @@ Python side only learns about it when someone asks (`last_step_skipped()`).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from fxamp.optim import distributed
 from fxamp.optim.scale_rule import ScaleRule, next_scale_state
 
 __all__ = ["prologue", "update", "fold_grads", "inverse", "compiled", "eager"]
@@ -36,11 +37,14 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
              norm_out: Tensor, scaler_state: Optional[tuple[Tensor, Tensor, Tensor]],
              found_in: Optional[Tensor], *,
              coefs_fn: Callable[[Tensor, Tensor], Tensor], check: bool,
-             max_norm: Optional[float], rule: Optional[ScaleRule]) -> Tensor:
+             max_norm: Optional[float], rule: Optional[ScaleRule], group: Any = None,
+             sharded: Sequence[bool] = ()) -> Tensor:
     """Reductions and per-step scalars; returns the [groups, K + 2] scalars for `update`.
 
     `found_in` is an overflow already seen (by `fold_grads`); the scale update only runs for
-    `scaler_state`, whose scale the gradients carry.
+    `scaler_state`, whose scale the gradients carry. With a process `group`, the flag and the
+    norm of the `sharded` buckets are reduced over it (Note [Agreeing on overflow across ranks]
+    in distributed.py).
     """
     found = torch.zeros((), dtype=torch.bool, device=step.device)
     if found_in is not None:
@@ -48,6 +52,8 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
     if check:
         for g in grads:
             found = found | ~torch.isfinite(g).all()
+    if group is not None and (check or found_in is not None):
+        found = distributed.agree_found(found, group)
     inv_scale = torch.ones((), dtype=torch.float32, device=step.device)
     if scaler_state is not None:
         inv_scale = inverse(scaler_state[0])
@@ -55,7 +61,10 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
     if max_norm is not None:  # torch.nn.utils.clip_grad_norm_'s formula, on unscaled grads
         # Unscaled after the reduction: inside it, 1/scale would be recomputed per vector (see
         # the Note). Squares of scaled fp32 grads overflow only for true grads above ~1e14.
-        norm = sum(g.float().square().sum() for g in grads).sqrt() * inv_scale
+        if group is not None and any(sharded):
+            norm = distributed.global_squared_norm(grads, sharded, group).sqrt() * inv_scale
+        else:
+            norm = sum(g.float().square().sum() for g in grads).sqrt() * inv_scale
         norm_out.copy_(norm)
         grad_scale = inv_scale * (max_norm / (norm + 1e-6)).clamp_max(1.0)
     new_step = step + (~found).to(step.dtype)

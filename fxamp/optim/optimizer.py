@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import checkpoint, fused_step
-from fxamp.optim.algorithms import Algorithm
+from fxamp.optim import checkpoint, distributed, fused_step
+from fxamp.optim.algorithms import LAMB, Algorithm
 from fxamp.optim.flat import FlatBucket, flatten_param_groups
 from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
@@ -33,13 +33,18 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     part in every step: one that got no gradient steps with a zero gradient (as in Apex's
     FP16_Optimizer and DeepSpeed), where torch.optim would skip it. Freeze parameters with
     `requires_grad=False` before building the optimizer to leave them out.
+
+    Under torch.distributed (`process_group`, "auto" by default: the default group when it is
+    initialized with more than one rank) every rank's step agrees on the overflow flag, and on
+    the gradient norm of sharded (FSDP2) parameters, inside the compiled step; DTensor
+    parameters are stepped on their local shards. See docs/distributed.md.
     """
 
     algorithm: Algorithm
 
     def __init__(self, params: Any, defaults: dict[str, Any], *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
-                 compile: bool = True) -> None:
+                 compile: bool = True, process_group: Any = distributed.AUTO) -> None:
         self._buckets: Optional[list[FlatBucket]] = None
         super().__init__(params, defaults)
         if max_grad_norm is not None and not max_grad_norm > 0:
@@ -51,12 +56,26 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._unit = LossScaler(1.0, compile=compile)  # for unscale_ without any scaler
         self._buckets = flatten_param_groups(self.param_groups, master_weights=master_weights,
                                              owner=type(self).__name__)
+        self._init_group(process_group)
         device = self.param_groups[0]["params"][0].device
         self._init_device_state(device)
         self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
         self._raw_scaler: Optional[LossScaler] = None  # the scale the raw grads carry
         self._involved: list[LossScaler] = []  # scalers folded into the fp32 grads this step
         checkpoint.expose_state(self)
+
+    def _init_group(self, process_group: Any) -> None:
+        owner = type(self).__name__
+        sharded = [p for b in self._buckets if b.sharded for p in b.params]
+        if sharded and self.algorithm is LAMB:
+            raise ConfigError(f"{owner}: LAMB's per-parameter trust ratio needs whole-parameter "
+                              "norms, which sharded (DTensor) parameters do not have locally; "
+                              "use AdamW, Adam or SGD with FSDP2")
+        self._group = distributed.resolve_group(process_group, sharded, owner)
+        self._sharded = tuple(b.sharded for b in self._buckets)
+        if self._group is not None:
+            log.debug("%s: agreeing on overflow over %d ranks; sharded buckets %s", owner,
+                      torch.distributed.get_world_size(self._group), self._sharded)
 
     def _init_device_state(self, device: torch.device) -> None:
         rows = [self.algorithm.hyper_row(g) for g in self.param_groups]
@@ -139,12 +158,18 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         coefs = self._fns["prologue"](
             grads, self._hyper, self._step_count, self.found_inf, self.grad_norm, state, found_in,
             coefs_fn=self.algorithm.coefs, check=check, max_norm=self.max_grad_norm,
-            rule=None if scaler is None else scaler.rule)
+            rule=None if scaler is None else scaler.rule, **self._dist_kwargs())
         b = self._buckets
         self._fns["update"](
             [x.weights for x in b], grads, self._states,
             [None if x.master is None else x.param for x in b], coefs,
             tuple(x.group_index for x in b), self._aux, update_fn=self.algorithm.update)
+        for bucket in b:
+            bucket.write_back()
+
+    def _dist_kwargs(self) -> dict[str, Any]:
+        # Left out without a group, so the single-process call is exactly what it was.
+        return {} if self._group is None else dict(group=self._group, sharded=self._sharded)
 
     def _sync_hyper(self) -> None:
         # Only changed values go to the device, each as a fill (never a blocking copy); tensor
@@ -183,6 +208,9 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     def _step_from_folded(self, pending: Optional[LossScaler]) -> None:
         if pending is not None:
             self.unscale_(pending)
+        if self._group is not None:  # each scaler then moves by the flag all ranks agree on
+            distributed.agree_flags_([s.round_found(self._device) for s in self._involved],
+                                     self._group)
         self._fused_step([b.acc for b in self._buckets], None, check=True,
                          found_in=self._round_found())
         for b in self._buckets:

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 from fxamp.errors import ConfigError
 from fxamp.optim import algorithms
+from fxamp.optim.distributed import AUTO
 from fxamp.optim.optimizer import FusedOptimizer
 
 __all__ = ["Adam", "AdamW", "SGD", "LAMB"]
@@ -16,7 +17,10 @@ _COMMON_ARGS = """
             step (torch.nn.utils.clip_grad_norm_'s formula); the norm is kept in `grad_norm`.
         master_weights: keep fp32 master copies of float16/bfloat16 parameters (default True).
         compile: compile the step with torch.compile (Inductor); False runs the same functions
-            eagerly."""
+            eagerly.
+        process_group: the torch.distributed group whose ranks agree on skipping (and on the
+            norm of sharded gradients) inside the step: "auto" (default) takes the default group
+            when torch.distributed is initialized with more than one rank; None: no agreement."""
 
 
 def _check_betas(betas: Any, lr: Any, eps: Any) -> None:
@@ -42,11 +46,12 @@ class Adam(FusedOptimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
-                 compile: bool = True) -> None:
+                 compile: bool = True, process_group: Any = AUTO) -> None:
         _check_betas(betas, lr, eps)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,
-                         master_weights=master_weights, compile=compile)
+                         master_weights=master_weights, compile=compile,
+                         process_group=process_group)
 
 
 class AdamW(Adam):
@@ -80,7 +85,7 @@ class SGD(FusedOptimizer):
     def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
-                 compile: bool = True) -> None:
+                 compile: bool = True, process_group: Any = AUTO) -> None:
         if not 0.0 <= float(lr) or not 0.0 <= float(momentum):
             raise ConfigError(f"lr={lr!r} and momentum={momentum!r} must be >= 0")
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -89,7 +94,8 @@ class SGD(FusedOptimizer):
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
                         weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,
-                         master_weights=master_weights, compile=compile)
+                         master_weights=master_weights, compile=compile,
+                         process_group=process_group)
 
 
 class LAMB(FusedOptimizer):
@@ -111,10 +117,11 @@ class LAMB(FusedOptimizer):
                  eps: float = 1e-6, weight_decay: float = 0.01, *, grad_averaging: bool = True,
                  use_nvlamb: bool = False, bias_correction: bool = True,
                  max_grad_norm: Optional[float] = 1.0, master_weights: bool = True,
-                 compile: bool = True) -> None:
+                 compile: bool = True, process_group: Any = AUTO) -> None:
         _check_betas(betas, lr, eps)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, use_nvlamb=use_nvlamb,
                         bias_correction=bias_correction)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,
-                         master_weights=master_weights, compile=compile)
+                         master_weights=master_weights, compile=compile,
+                         process_group=process_group)

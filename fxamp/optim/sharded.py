@@ -1,0 +1,127 @@
+"""Flat buffers over the local shards of DTensor parameters (FSDP2's `fully_shard`).
+
+# Note [Flat buffers beside FSDP2's shards]
+FSDP2 owns the storage of each sharded parameter: it all-gathers from its own padded flat
+tensor, of which `p.to_local()` is a view, and it may swap that tensor at lazy init. The model's
+parameters can therefore not become views of the optimizer's flat buffer, as plain parameters do
+(flat.py). A ShardedBucket keeps its own flat copy of the local shards instead, with the same
+layout machinery, and pays two copies of the local shards per step:
+- before the step, the reduce-scattered gradient shards are added into the flat gradient and
+  the parameters' `.grad` are set to None (so the next backward starts afresh, and a
+  gradient folded by `unscale_` is never counted twice);
+- after the step, the updated weights are copied into the local shards.
+The states and masters it exposes (`opt.state[p]`, the state dict) are DTensors with the
+parameter's placements over views of the flat buffers, so torch.distributed.checkpoint saves
+every rank's shard and loads each back in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from fxamp.optim.flat import LOW_PRECISION, FlatBucket, _layout
+
+__all__ = ["ShardedBucket"]
+
+log = logging.getLogger(__name__)
+
+
+class ShardedBucket(FlatBucket):
+    """The DTensor parameters of one param group that share a dtype, their local shards flat.
+
+    Attributes as FlatBucket's, except that `param` is a copy of the local shards (written back
+    by `write_back` after each step) and `offsets` index the local shards.
+    """
+
+    sharded = True
+
+    def __init__(self, group_index: int, params: Sequence[torch.nn.Parameter], *,
+                 master_weights: bool) -> None:
+        self.group_index = group_index
+        self.params = list(params)
+        local = self._locals()
+        self.offsets, numel = _layout(local)
+        self.param = torch.zeros(numel, dtype=local[0].dtype, device=local[0].device)
+        self.grad = torch.zeros_like(self.param)
+        self.grad_views = [self.local_view(self.grad, i) for i in range(len(local))]
+        with torch.no_grad():
+            for i, t in enumerate(local):
+                self.local_view(self.param, i).copy_(t)
+        low = master_weights and self.param.dtype in LOW_PRECISION
+        self.master = self.param.float() if low else None
+        self.acc = None
+        self.versions = self._local_versions()
+        self._take_grads()
+
+    def _locals(self) -> list[torch.Tensor]:
+        # Read afresh every time: FSDP2 may replace a parameter's local tensor (lazy init).
+        return [p.to_local() for p in self.params]
+
+    def _local_versions(self) -> list[int]:
+        return [t._version for t in self._locals()]
+
+    def local_view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        shape = self.params[i].to_local().shape
+        start = self.offsets[i]
+        return flat[start:start + shape.numel()].view(shape)
+
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        """The i-th local shard of `flat` as a DTensor laid out like the parameter."""
+        from torch.distributed.tensor import DTensor
+
+        p = self.params[i]
+        return DTensor.from_local(self.local_view(flat, i), p.device_mesh, p.placements,
+                                  run_check=False, shape=p.shape, stride=p.stride())
+
+    def zero_grad(self) -> None:
+        self.grad.zero_()
+        if self.acc is not None:
+            self.acc.zero_()
+        for p in self.params:
+            p.grad = None
+
+    def sync_from_params(self) -> None:
+        """Adopt shards written outside the optimizer (a loaded checkpoint), then take the
+        gradients (Note [Flat buffers beside FSDP2's shards])."""
+        for i, (t, seen) in enumerate(zip(self._locals(), self.versions)):
+            if t._version != seen:
+                self._refresh_master(i)
+        self._take_grads()
+
+    def _take_grads(self) -> None:
+        pairs = [(view, p.grad.to_local()) for view, p in zip(self.grad_views, self.params)
+                 if p.grad is not None]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_add_([v for v, _ in pairs], [g.to(v.dtype) for _, g in pairs])
+        for p in self.params:
+            p.grad = None
+
+    def _refresh_master(self, i: int) -> None:
+        local = self.params[i].to_local()
+        with torch.no_grad():
+            self.local_view(self.param, i).copy_(local)
+            if self.master is not None:
+                master = self.local_view(self.master, i)
+                master.copy_(torch.where(master.to(local.dtype) == local, master, local.float()))
+        self.versions[i] = local._version
+        log.debug("shard of parameter %d of group %d was written outside the optimizer",
+                  i, self.group_index)
+
+    def write_back(self) -> None:
+        """Copy the updated flat weights into the parameters' local shards."""
+        local = self._locals()
+        with torch.no_grad():
+            torch._foreach_copy_(local, [self.local_view(self.param, i)
+                                         for i in range(len(local))])
+        self.versions = [t._version for t in local]
+
+    def mark_params_synced(self) -> None:
+        # The state dict carried the masters; the weights may have been loaded into the shards.
+        with torch.no_grad():
+            for i, t in enumerate(self._locals()):
+                self.local_view(self.param, i).copy_(t)
+        self.versions = self._local_versions()
