@@ -5,7 +5,6 @@ and read the diff: every `# fxamp` line is a cast the passes inserted.
 """
 
 import expecttest
-import torch
 
 import fxamp
 from examples import models
