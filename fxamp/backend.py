@@ -94,12 +94,24 @@ class FxampBackend:
         config = self.config
         if not config.is_resolved:
             config = config.resolve(config.device_type or _device_type(example_inputs))
+        _check_active_ddp()
         fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
         aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
         stats = run_passes(aten_gm, config, fake_mode)
         self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config))
         log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
         return self._inner(aten_gm, example_inputs)
+
+
+def _check_active_ddp() -> None:
+    # Traced inside a DistributedDataParallel's forward: refuse a DDP built before fxamp.compile
+    # cast the parameters (it would reduce in the old dtype and let the replicas drift).
+    ddp_type = torch.nn.parallel.DistributedDataParallel
+    ddp = ddp_type._get_active_ddp_module() if hasattr(ddp_type, "_get_active_ddp_module") else None
+    if ddp is not None:
+        from fxamp.distributed import check_ddp_order
+
+        check_ddp_order(ddp)
 
 
 def backend(opt_level: str = "O1", *, compiler: Compiler = "inductor", mode: Optional[str] = None,

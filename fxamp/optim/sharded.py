@@ -96,7 +96,7 @@ class ShardedBucket(FlatBucket):
                  if p.grad is not None]
         if pairs:
             with torch.no_grad():
-                torch._foreach_add_([v for v, _ in pairs], [g.to(v.dtype) for _, g in pairs])
+                torch._foreach_add_([v for v, _ in pairs], [g.to(v.dtype) for v, g in pairs])
         for p in self.params:
             p.grad = None
 

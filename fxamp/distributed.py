@@ -1,0 +1,105 @@
+"""fxamp under torch.distributed: checkpoints with torch.distributed.checkpoint (DCP), and the
+check that a DDP model was wrapped after `fxamp.compile`. See docs/distributed.md.
+
+The step's own agreement across ranks lives with the optimizer (fxamp/optim/distributed.py);
+this module holds what users call around the training loop.
+
+# Note [What a distributed checkpoint holds]
+`state_dict` gathers the model's state dict (fp32 values at O2/O3, as Apex returned them), the
+fxamp optimizer's (torch.optim's layout plus the fp32 "master_param" of each 16-bit parameter,
+and the step count), and the loss scaler's (scale, growth tracker, hysteresis). Under FSDP2 the
+parameters, moments and masters are DTensors, so every rank writes its own shard; under DDP they
+are replicas, which DCP writes once. `load` reads into the same structure in place and then
+hands each part to its owner's `load_state_dict`, model first, so that the masters loaded last
+are the ones the optimizer keeps. With the same number of ranks, a resumed run is bit-identical
+to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+
+from fxamp.errors import ConfigError
+
+__all__ = ["state_dict", "load_state_dict", "save", "load", "check_ddp_order"]
+
+log = logging.getLogger(__name__)
+
+
+def state_dict(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+               scaler: Any = None) -> dict[str, Any]:
+    """{"model": ..., "optimizer": ..., "scaler": ...} for `torch.distributed.checkpoint`; the
+    parts not given are left out. Reads the loss scale back from the device."""
+    out: dict[str, Any] = {"model": model.state_dict()}
+    if optimizer is not None:
+        out["optimizer"] = optimizer.state_dict()
+    if scaler is not None:
+        out["scaler"] = scaler.state_dict()
+    return out
+
+
+def load_state_dict(state: dict[str, Any], model: torch.nn.Module,
+                    optimizer: Optional[torch.optim.Optimizer] = None, scaler: Any = None) -> None:
+    """Load what `state_dict` made (after DCP filled it) into model, optimizer and scaler."""
+    for name, owner in (("model", model), ("optimizer", optimizer), ("scaler", scaler)):
+        if owner is None:
+            continue
+        if name not in state:
+            raise ConfigError(f"the checkpoint holds {sorted(state)}, not {name!r}; save it "
+                              f"with fxamp.distributed.save(..., {name}=...)")
+        owner.load_state_dict(state[name])
+
+
+def save(checkpoint_id: Any, *, model: torch.nn.Module,
+         optimizer: Optional[torch.optim.Optimizer] = None, scaler: Any = None,
+         **dcp_kwargs: Any) -> None:
+    """Save model, fxamp optimizer (with masters) and loss scaler with `dcp.save`, on every rank.
+
+    Args:
+        checkpoint_id: the directory (or a DCP storage writer's id).
+        model: the model as trained (DDP-wrapped, FSDP2-sharded, or plain).
+        optimizer: an fxamp optimizer (or any torch optimizer).
+        scaler: a `fxamp.optim.LossScaler`.
+        **dcp_kwargs: passed to `torch.distributed.checkpoint.save` (storage_writer, planner,
+            process_group).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(state_dict(model, optimizer, scaler), checkpoint_id=checkpoint_id, **dcp_kwargs)
+    log.debug("saved %s", checkpoint_id)
+
+
+def load(checkpoint_id: Any, *, model: torch.nn.Module,
+         optimizer: Optional[torch.optim.Optimizer] = None, scaler: Any = None,
+         **dcp_kwargs: Any) -> None:
+    """Load what `save` wrote into the same kind of model, optimizer and scaler, on every rank
+    (Note [What a distributed checkpoint holds]). Build and wrap them as for training first."""
+    import torch.distributed.checkpoint as dcp
+
+    state = state_dict(model, optimizer, scaler)
+    dcp.load(state, checkpoint_id=checkpoint_id, **dcp_kwargs)
+    load_state_dict(state, model, optimizer, scaler)
+    log.debug("loaded %s", checkpoint_id)
+
+
+def check_ddp_order(ddp: torch.nn.Module) -> None:
+    """Raise if `ddp` (a DistributedDataParallel) was built before `fxamp.compile` changed its
+    module's parameter dtypes; see docs/distributed.md, "Wrapping order".
+
+    Raises:
+        ConfigError: a parameter's dtype differs from the dtype DDP's buckets reduce in.
+    """
+    reducer = getattr(ddp, "reducer", None)
+    if reducer is None or not hasattr(reducer, "_get_zeros_like_grad_buckets"):
+        return
+    bucket_dtypes = {b.buffer().dtype for b in reducer._get_zeros_like_grad_buckets()}
+    param_dtypes = {p.dtype for p in ddp.module.parameters() if p.requires_grad}
+    if param_dtypes - bucket_dtypes:
+        raise ConfigError(
+            f"DistributedDataParallel reduces gradients in {sorted(map(str, bucket_dtypes))} but "
+            f"the model's parameters are now {sorted(map(str, param_dtypes))}: it was wrapped "
+            "before fxamp.compile cast them. Call fxamp.compile(model) first, then "
+            "DistributedDataParallel(model), then build the fxamp optimizer")

@@ -1,0 +1,164 @@
+"""What each rank runs in the distributed tests: a tiny MLP compiled by fxamp, wrapped in DDP or
+sharded with FSDP2, trained a few steps on its slice of a global batch. Imported by name in the
+spawned ranks (see dist_harness.py).
+
+The models compile with compiler="aot_eager" and the steps with compile=False (the same
+functions, eagerly) so that a test costs seconds; `compile_step=True` runs the step through
+Inductor with the collectives traced into it.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fxamp
+import fxamp.optim as fo
+
+IN, HIDDEN, OUT, GLOBAL_BATCH = 8, 16, 4, 8
+INF = float("inf")
+
+
+def make_model(level, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
+                                torch.nn.Linear(HIDDEN, OUT))
+    return fxamp.compile(model, opt_level=level, compiler="aot_eager")
+
+
+def global_batch(step):
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(GLOBAL_BATCH, IN, generator=gen), torch.randn(GLOBAL_BATCH, OUT,
+                                                                      generator=gen)
+
+
+def rank_slice(t, rank, world):
+    n = t.shape[0] // world
+    return t[rank * n:(rank + 1) * n]
+
+
+def wrap(model, kind):
+    """DDP, FSDP2 (fully_shard per Linear, then the root), or nothing ("single")."""
+    if kind == "ddp":
+        return DDP(model)
+    if kind == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        return fully_shard(model)
+    return model
+
+
+def full(t):
+    """A parameter or state as one plain fp32 tensor (all-gathered if it is a DTensor)."""
+    t = t.detach()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).float().reshape(-1)
+
+
+def poison_grad(model, kind):
+    """Put an inf into one local gradient element, on this rank only (after backward, so past
+    DDP's allreduce: only the step's own agreement can make the other rank skip)."""
+    grad = getattr(model, "module", model)[0].weight.grad
+    local = grad.to_local() if kind == "fsdp" else grad
+    with torch.no_grad():
+        local.view(-1)[0] = INF
+
+
+def train(model, opt, scaler, steps, *, rank=0, world=1, kind="single", start=0, bad=()):
+    """Steps `start`..`start + steps - 1`; `bad` holds (step, rank) pairs to poison."""
+    skipped, norms = [], []
+    for step in range(start, start + steps):
+        x, y = (rank_slice(t, rank, world) for t in global_batch(step))
+        scaler.scale(F.mse_loss(model(x).float(), y)).backward()
+        if (step, rank) in bad:
+            poison_grad(model, kind)
+        opt.step(scaler)
+        opt.zero_grad()
+        skipped.append(bool(opt.found_inf))
+        norms.append(opt.grad_norm.item())
+    return skipped, norms
+
+
+def summary(model, opt, scaler, skipped, norms):
+    masters = [full(e["master_param"]) for e in opt.state.values() if "master_param" in e]
+    moments = [full(e[k]) for e in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    return dict(params=torch.cat([full(p) for p in model.parameters()]),
+                masters=torch.cat(masters) if masters else None, moments=torch.cat(moments),
+                dtype=next(model.parameters()).dtype, scale=scaler.get_scale(),
+                skipped=skipped, norms=norms, step=opt._step_count.item())
+
+
+def run(rank, kind, level, *, steps=3, bad=(), max_grad_norm=None, compile_step=False):
+    """Train `kind` ("ddp", "fsdp", "single") on this rank's slice of each global batch."""
+    world = dist.get_world_size() if kind != "single" else 1
+    model = make_model(level)
+    wrapped = wrap(model, kind)
+    opt = fo.AdamW(wrapped.parameters(), lr=1e-2, max_grad_norm=max_grad_norm,
+                   compile=compile_step, process_group="auto" if kind != "single" else None)
+    scaler = fo.LossScaler()
+    skipped, norms = train(wrapped, opt, scaler, steps, rank=rank if kind != "single" else 0,
+                           world=world, kind=kind, bad=bad)
+    return summary(model, opt, scaler, skipped, norms)
+
+
+def run_with_reference(rank, kind, level, **kwargs):
+    """This rank's run, and on rank 0 also the single-process run on the whole global batch."""
+    out = {"dist": run(rank, kind, level, **kwargs)}
+    if rank == 0:
+        out["single"] = run(0, "single", level, **{k: v for k, v in kwargs.items()
+                                                    if k != "bad"})
+    return out
+
+
+def build(kind, level, *, seed=0, compile_step=False, max_grad_norm=None):
+    model = make_model(level, seed=seed)
+    wrapped = wrap(model, kind)
+    opt = fo.AdamW(wrapped.parameters(), lr=1e-2, max_grad_norm=max_grad_norm,
+                   compile=compile_step)
+    return model, wrapped, opt, fo.LossScaler()
+
+
+def resume(rank, kind, level, path, *, steps=4, bad=((1, 1),)):
+    """An uninterrupted run of `steps`, and one saved half-way with fxamp.distributed.save,
+    loaded into a model built from another seed, and continued."""
+    from fxamp import distributed as fd
+
+    world, half = dist.get_world_size(), steps // 2
+    model, wrapped, opt, scaler = build(kind, level)
+    done = train(wrapped, opt, scaler, steps, rank=rank, world=world, kind=kind, bad=bad)
+    straight = summary(model, opt, scaler, *done)
+
+    model, wrapped, opt, scaler = build(kind, level)
+    first = train(wrapped, opt, scaler, half, rank=rank, world=world, kind=kind, bad=bad)
+    fd.save(path, model=wrapped, optimizer=opt, scaler=scaler)
+    model, wrapped, opt, scaler = build(kind, level, seed=1)
+    fd.load(path, model=wrapped, optimizer=opt, scaler=scaler)
+    rest = train(wrapped, opt, scaler, steps - half, rank=rank, world=world, kind=kind,
+                 start=half, bad=bad)
+    resumed = summary(model, opt, scaler, first[0] + rest[0], first[1] + rest[1])
+    return straight, resumed
+
+
+def wrong_orders(rank):
+    """The orders fxamp refuses, by the words of what was refused."""
+    from fxamp.errors import ConfigError
+
+    refused = []
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
+                                torch.nn.Linear(HIDDEN, OUT))
+    try:
+        fxamp.compile(DDP(model), opt_level="O2")
+    except ConfigError:
+        refused.append("compile(DDP)")
+    ddp = DDP(model)
+    fxamp.compile(model, opt_level="O2", compiler="aot_eager")
+    try:
+        ddp(global_batch(0)[0])
+    except Exception as e:  # Dynamo reports a backend's error as BackendCompilerFailed
+        if "Call fxamp.compile(model) first, then DistributedDataParallel(model)" in str(e):
+            refused.append("DDP then compile")
+        else:
+            raise
+    return refused
