@@ -38,15 +38,18 @@ def rank_slice(t, rank, world):
 
 
 def wrap(model, kind):
-    """DDP, FSDP2 (fully_shard per Linear, then the root), or nothing ("single")."""
+    """DDP, FSDP2 (fully_shard per Linear, then the root; "fsdp_mp" with FSDP2's own bf16
+    MixedPrecisionPolicy, whose fp32 shards are the masters), or nothing ("single")."""
     if kind == "ddp":
         return DDP(model)
-    if kind == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+    if kind.startswith("fsdp"):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kwargs = {"mp_policy": policy} if kind == "fsdp_mp" else {}
         for layer in (model[0], model[2]):
-            fully_shard(layer)
-        return fully_shard(model)
+            fully_shard(layer, **kwargs)
+        return fully_shard(model, **kwargs)
     return model
 
 
@@ -60,7 +63,7 @@ def poison_grad(model, kind):
     """Put an inf into one local gradient element, on this rank only (after backward, so past
     DDP's allreduce: only the step's own agreement can make the other rank skip)."""
     grad = getattr(model, "module", model)[0].weight.grad
-    local = grad.to_local() if kind == "fsdp" else grad
+    local = grad.to_local() if kind.startswith("fsdp") else grad
     with torch.no_grad():
         local.view(-1)[0] = INF
 

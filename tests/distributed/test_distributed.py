@@ -23,8 +23,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 # Max |distributed - single process| over the parameters after 3 AdamW steps (lr 1e-2), measured
 # here: DDP O1 9.6e-5, FSDP2 O1 3.3e-4 (fp32 params; O1's bf16 matmuls round the half batches
 # differently from the whole one); O2 4.9e-4 for both, one bf16 ulp of the largest weights (the
-# bf16 gradients are summed across ranks in bf16). The fp32 masters at O2: 2.5e-4 (DDP) and
-# 2.6e-4 (FSDP2).
+# bf16 gradients are summed across ranks in bf16). The fp32 masters at O2: 1.4e-4 for both.
 TOLERANCE = {"O1": 1e-3, "O2": 2e-3}
 
 
@@ -32,9 +31,11 @@ def _run(fn, **kwargs):
     return run_ranks(functools.partial(fn, **kwargs))
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind, level", [("ddp", "O1"), ("ddp", "O2"), ("fsdp", "O1"),
+                                         ("fsdp", "O2"), ("fsdp_mp", "O1")])
 def test_training_matches_a_single_process(kind, level):
+    # fsdp_mp: fxamp O1 under FSDP2's MixedPrecisionPolicy(bf16 params, fp32 reduce): FSDP2
+    # keeps the fp32 shards (they are the masters); measured 9.6e-5 from the single O1 run.
     ranks = _run(w.run_with_reference, kind=kind, level=level)
     single = ranks[0]["single"]
     for out in (r["dist"] for r in ranks):
@@ -56,11 +57,11 @@ def _check_all_skipped_together(ranks, single, sharded):
     assert single["scale"] == 2.0**16 and single["skipped"] == [False] * 3
     assert torch.equal(a["params"], b["params"]) and torch.equal(a["masters"], b["masters"])
     assert torch.equal(a["moments"], b["moments"])
-    # The clipping norm is the global one on every rank: the same number, and that of the
-    # single process up to O2's bf16 gradients (measured: 8.6e-3 relative at the last step).
-    for step in (0, 2):
-        assert a["norms"][step] == b["norms"][step]
-        assert a["norms"][step] == pytest.approx(single["norms"][step], rel=2e-2)
+    # The clipping norm is the global one on every rank: the same number on both, and at step 0
+    # (before the runs part ways at the skip) that of the single process up to O2's bf16
+    # gradients (measured: 2.7e-4 relative).
+    assert a["norms"][0] == b["norms"][0] and a["norms"][2] == b["norms"][2]
+    assert a["norms"][0] == pytest.approx(single["norms"][0], rel=2e-3)
     if sharded:  # FSDP2's overflow was in one shard: the reduced norm is inf on both ranks
         assert a["norms"][1] == b["norms"][1] == float("inf")
 
