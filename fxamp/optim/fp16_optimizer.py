@@ -16,6 +16,7 @@ import torch
 
 from fxamp.errors import ConfigError
 from fxamp.optim import fused_step
+from fxamp.optim.distributed import is_dtensor
 from fxamp.optim.flat import flatten_param_groups
 from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
@@ -46,6 +47,9 @@ class FP16_Optimizer(GradientFolding):
                  dynamic_loss_scale: bool = False, dynamic_loss_args: Optional[dict] = None,
                  verbose: bool = False, *, compile: bool = True) -> None:
         _check_inner(init_optimizer)
+        if any(is_dtensor(p) for g in init_optimizer.param_groups for p in g["params"]):
+            raise ConfigError("FP16_Optimizer does not step sharded (DTensor, FSDP2) parameters; "
+                              "use fxamp.optim.AdamW, Adam or SGD, which step their local shards")
         self.optimizer = init_optimizer
         self.loss_scaler = _make_scaler(static_loss_scale, dynamic_loss_scale,
                                         dynamic_loss_args, compile)

@@ -165,3 +165,23 @@ def wrong_orders(rank):
         else:
             raise
     return refused
+
+
+def sharded_refusals(rank):
+    """What fxamp refuses with FSDP2-sharded parameters, by the start of each message."""
+    from fxamp.errors import ConfigError
+
+    model = wrap(make_model("O2"), "fsdp")
+    attempts = {
+        "LAMB": lambda: fo.LAMB(model.parameters(), compile=False),
+        "FP16_Optimizer": lambda: fo.FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1)),
+        "process_group=None": lambda: fo.AdamW(model.parameters(), compile=False,
+                                               process_group=None),
+    }
+    refused = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except ConfigError as e:
+            refused[name] = str(e)
+    return refused

@@ -115,6 +115,13 @@ def test_ddp_before_fxamp_compile_is_refused():
     assert ranks[0] == ranks[1] == ["compile(DDP)", "DDP then compile"]
 
 
+def test_what_sharded_parameters_refuse():
+    refused = run_ranks(w.sharded_refusals)[1]
+    assert "trust ratio needs whole-parameter norms" in refused["LAMB"]
+    assert "does not step sharded (DTensor, FSDP2)" in refused["FP16_Optimizer"]
+    assert "parameters are sharded over 2 ranks" in refused["process_group=None"]
+
+
 def test_process_group_argument():
     model = torch.nn.Linear(4, 4)
     # Without torch.distributed initialized, "auto" means no group: today's single-process step.
