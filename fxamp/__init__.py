@@ -6,7 +6,7 @@ from fxamp.errors import BannedOpError, ConfigError, FxampError
 from fxamp.policy import CastPolicy
 from fxamp.explain import Explanation, explain
 from fxamp.debug import SkipMonitor, locate_overflow, range_stats
-from fxamp import optim
+from fxamp import distributed, optim
 from fxamp.optim import LossScaler, initialize, master_params, scale_loss
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "SkipMonitor",
     "locate_overflow",
     "range_stats",
+    "distributed",
     "optim",
     "LossScaler",
     "initialize",
