@@ -21,17 +21,14 @@ __all__ = ["SkipMonitor"]
 
 log = logging.getLogger(__name__)
 
-_FLAGS = ("found_inf", "overflow_tensor")  # FusedOptimizer, FP16_Optimizer
 _SKIPPED, _RUN, _LONGEST = 0, 1, 2
 
 
-def _flag_name(optimizer: Any) -> str:
-    for name in _FLAGS:
-        if isinstance(getattr(optimizer, name, None), torch.Tensor):
-            return name
-    raise ConfigError(f"{type(optimizer).__name__} has no device overflow flag ("
-                      f"{' or '.join(_FLAGS)}): SkipMonitor works with fxamp's optimizers "
-                      "(fxamp.optim.Adam, AdamW, SGD, LAMB, FP16_Optimizer, initialize's)")
+def _check_flag(optimizer: Any) -> None:
+    if not isinstance(getattr(optimizer, "found_inf", None), torch.Tensor):
+        raise ConfigError(f"{type(optimizer).__name__} has no device overflow flag (found_inf): "
+                          "SkipMonitor works with fxamp's optimizers (fxamp.optim.Adam, AdamW, "
+                          "SGD, LAMB, FP16_Optimizer, initialize's)")
 
 
 def _is_scaler(value: Any) -> bool:
@@ -50,7 +47,7 @@ class SkipMonitor:
     post-hook; with `FP16_Optimizer`, call `monitor.update()` after each `step()`.
 
     Args:
-        optimizer: an fxamp optimizer (its `found_inf` or `overflow_tensor` flag is read).
+        optimizer: an fxamp optimizer (its `found_inf` flag is read).
         scaler: the LossScaler whose scale to report; default: the one passed to `step`, else
             the optimizer's own (`loss_scalers[0]`, `loss_scaler`).
         every: read the counters back every `every` steps (one host read), at most one log
@@ -75,9 +72,8 @@ class SkipMonitor:
         self.optimizer, self.scaler, self.every, self.level = optimizer, scaler, every, level
         self.locate_after, self.locate = locate_after, locate
         self.logger = logger or log
-        self._flag = _flag_name(optimizer)
-        flag = getattr(optimizer, self._flag)
-        self._counts = torch.zeros(3, dtype=torch.int64, device=flag.device)
+        _check_flag(optimizer)
+        self._counts = torch.zeros(3, dtype=torch.int64, device=optimizer.found_inf.device)
         self.steps = 0
         """Steps seen so far (a host count, no read)."""
         self.reports: list[Any] = []
@@ -95,7 +91,7 @@ class SkipMonitor:
 
     def update(self) -> None:
         """Fold the last step's flag into the device counters; read them every `every` steps."""
-        flag = getattr(self.optimizer, self._flag).to(torch.int64)
+        flag = self.optimizer.found_inf.to(torch.int64)
         c = self._counts
         run = (c[_RUN] + 1) * flag
         c.copy_(torch.stack([c[_SKIPPED] + flag, run, torch.maximum(c[_LONGEST], run)]))

@@ -61,7 +61,7 @@ class FP16_Optimizer(GradientFolding):
             group["params"] = [m for b, m in zip(self._buckets, self._masters)
                                if b.group_index == gi]
         self._device = self._masters[0].device if self._masters else torch.device("cpu")
-        self.overflow_tensor = torch.zeros((), dtype=torch.bool, device=self._device)
+        self.found_inf = torch.zeros((), dtype=torch.bool, device=self._device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
         self._fold_fn = (fused_step.compiled if compile else fused_step.eager)["fold_grads"]
         self._raw_scaler: Optional[LossScaler] = None
@@ -114,11 +114,11 @@ class FP16_Optimizer(GradientFolding):
     def overflow(self) -> bool:
         """Whether the gradients so far (or of the last step) overflowed. Reads the device."""
         self._refresh_overflow()
-        return bool(self.overflow_tensor.item())
+        return bool(self.found_inf.item())
 
     def _refresh_overflow(self) -> None:
         if self._involved:
-            self.overflow_tensor.copy_(self._round_found())
+            self.found_inf.copy_(self._round_found())
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Step the wrapped optimizer on the masters unless the gradients overflowed, copy the
@@ -145,9 +145,9 @@ class FP16_Optimizer(GradientFolding):
     def _step_inner(self) -> None:
         inner = self.optimizer
         if getattr(inner, "_step_supports_amp_scaling", False):
-            inner.grad_scale, inner.found_inf = None, self.overflow_tensor.float()
+            inner.grad_scale, inner.found_inf = None, self.found_inf.float()
             inner.step()  # torch's fused kernels skip on found_inf themselves
-        elif self.overflow_tensor.item():
+        elif self.found_inf.item():
             log.info("gradient overflow: skipping step, loss scale %s", self.loss_scaler)
         else:
             inner.step()
