@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import fxamp
-from examples.demo import digits
+from examples import digits
 from examples.models import CNN
 from fxamp.optim import AdamW, LossScaler, initialize, scale_loss
 
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args(argv)
-    train_set, test_set = digits()
+    train_set, test_set = digits.load()
     print("== native: fxamp.compile(O2) + fxamp.optim.AdamW + LossScaler ==")
     native(train_set, test_set, args.epochs)
     print("== Apex-style: initialize + scale_loss ==")

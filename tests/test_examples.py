@@ -1,0 +1,50 @@
+"""The examples run as a user runs them (`python -m examples.NAME`) and print what they promise.
+
+examples/digits.py and examples/distributed.py have tests of their own (test_digits.py,
+distributed/); the README's demo runs here in full, as the README gives it.
+"""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(module, *args):
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("TORCH_LOGS", None)
+    result = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def test_opt_levels_explains_every_level():
+    out = _run("examples.opt_levels")
+    for model in ("attention", "cnn"):
+        for level in ("O0", "O1", "O2", "O3"):
+            assert f"######## {model} at {level} ########" in out
+    assert "graphs: 1 | graph breaks: 0 | casts inserted: 2 (+2 at the model boundary) | " \
+           "ops kept in fp32: 1" in out  # the CNN at O2: BatchNorm kept in fp32
+
+
+def test_optimizer_demo_trains_skips_and_resumes():
+    out = _run("examples.optimizer_demo", "--epochs", "1")
+    assert "weights torch.bfloat16, masters torch.float32" in out
+    assert "resumed from a checkpoint: next step bit-identical: True" in out
+    assert "== Apex-style: initialize + scale_loss ==" in out
+
+
+def test_debug_overflow_names_the_planted_op_and_its_fix():
+    out = _run("examples.debug_overflow")
+    assert "forward: aten.matmul.default in attn (Attention)" in out
+    assert "module_overrides={'attn': 'fp32'}" in out
+    assert "no op produced an inf or NaN" in out
+
+
+def test_readme_demo_as_the_readme_runs_it():
+    out = _run("examples.demo")
+    assert "==== what fxamp O2 does to the CNN (bf16) ====" in out
+    assert "keep_batchnorm_fp32" in out
+    assert "O1/O2 within 0.6 accuracy points of O0" in out
