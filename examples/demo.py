@@ -1,7 +1,7 @@
 """The README's demo: what fxamp does to a small CNN, then that CNN trained on scikit-learn's
 digits at O0 and at O1/O2/O3 in fp16 and bf16 (the short form of examples/digits.py).
 
-    python -m examples.demo            # about 2 minutes on a 2-core CPU, compiles included
+    python -m examples.demo            # about a minute on a 2-core CPU, compiles included
     python -m examples.demo --epochs 3 --dtype fp16
 
 Digits ships inside scikit-learn (1797 8x8 images, no download). On CPU the low-precision
