@@ -2,6 +2,7 @@
 
 For each size it times, in one process, one optimizer step of:
   copy          a plain fp32 copy of N elements: the memory-bandwidth roofline of this run
+                (and, for reading it, a copy moving 28 bytes per parameter, as a step does)
   fxamp         fxamp.optim.AdamW + LossScaler (O1: fp32 model; O2: 16-bit model, fp32 masters)
   fxamp+clip    the same with max_grad_norm=1.0 (the norm comes from the same reduction)
   foreach+GS    torch AdamW(foreach=True) + torch.amp.GradScaler (fp32)
@@ -173,13 +174,20 @@ def run_size(n_params: int, args, device, low) -> dict:
     # cannot flatter them.
     copy_s = min(copy_s, time_step(copy, device, args.warmup, args.reps))
     results["copy_gbs"] = 8 * n / copy_s / 1e9
+    # For reading the roofline, not for the targets: a copy that moves as many bytes as the
+    # step (28 per parameter), whose working set fits a CPU's cache no better than the step's.
+    del copy
+    wide = build_copy(REQUIRED_BYTES * n // 8, device)
+    results["wide_copy_gbs"] = REQUIRED_BYTES * n / time_step(wide, device, args.warmup,
+                                                              args.reps) / 1e9
     return results
 
 
 def report(results: dict, low: torch.dtype) -> list[str]:
     n, copy_gbs = results["n"], results["copy_gbs"]
     lines = [f"\n{n / 1e6:.1f}M params in {results['tensors']} tensors; copy {copy_gbs:.1f} GB/s "
-             f"(8 bytes/element)",
+             f"(8 bytes/element; a copy moving the step's {REQUIRED_BYTES} B/param: "
+             f"{results['wide_copy_gbs']:.1f} GB/s)",
              "| mode | method | ms/step | GB/s @28 B | % of copy | kernels | vs fxamp |",
              "|---|---|---:|---:|---:|---:|---:|"]
     for mode, rows in results["rows"].items():
