@@ -24,7 +24,7 @@ import torch
 from fxamp.errors import ConfigError
 from fxamp.optim.distributed import is_dtensor
 
-__all__ = ["FlatBucket", "flatten_param_groups", "LOW_PRECISION", "ALIGN"]
+__all__ = ["FlatBucket", "flatten_param_groups", "refresh_master", "LOW_PRECISION", "ALIGN"]
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,13 @@ FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Each parameter starts on a multiple of ALIGN elements: aligned vector loads for the model's own
 # kernels, and whole chunks of ALIGN for LAMB's per-parameter norms.
 ALIGN = 64
+
+
+@torch.no_grad()
+def refresh_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    """Take a parameter written outside the optimizer into its fp32 master, keeping the precise
+    master wherever the parameter still equals its rounding."""
+    master.copy_(torch.where(master.to(param.dtype) == param, master, param.float()))
 
 
 class FlatBucket:
@@ -122,11 +129,8 @@ class FlatBucket:
         p.grad = view
 
     def _refresh_master(self, i: int) -> None:
-        # Keep the precise master wherever the parameter still equals its rounding.
         p = self.params[i]
-        with torch.no_grad():
-            master = self.view(self.master, i)
-            master.copy_(torch.where(master.to(p.dtype) == p, master, p.float()))
+        refresh_master(self.view(self.master, i), p)
         self.versions[i] = p._version
         log.debug("parameter %d of group %d was written outside the optimizer; master refreshed",
                   i, self.group_index)

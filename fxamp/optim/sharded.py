@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from fxamp.optim.flat import LOW_PRECISION, FlatBucket, _layout
+from fxamp.optim.flat import LOW_PRECISION, FlatBucket, _layout, refresh_master
 
 __all__ = ["ShardedBucket"]
 
@@ -104,9 +104,8 @@ class ShardedBucket(FlatBucket):
         local = self.params[i].to_local()
         with torch.no_grad():
             self.local_view(self.param, i).copy_(local)
-            if self.master is not None:
-                master = self.local_view(self.master, i)
-                master.copy_(torch.where(master.to(local.dtype) == local, master, local.float()))
+        if self.master is not None:
+            refresh_master(self.local_view(self.master, i), local)
         self.versions[i] = local._version
         log.debug("shard of parameter %d of group %d was written outside the optimizer",
                   i, self.group_index)
