@@ -4,7 +4,7 @@ Inductor, and the optimizer's graphs.
 bench_e2e takes a `snapshot()` of torch's compile-time counters before a recipe's first step,
 between its model part (forward, loss, backward) and its optimizer part, and after; `breakdown`
 turns the differences into the parts below. torch keeps these counters for every function it
-times with `dynamo_timed` (`torch._dynamo.utils.compilation_time_metrics`, seconds per call);
+times with `dynamo_timed` (`fxamp._compat.compile_time_metrics()`, seconds per call);
 the names used here exist on torch 2.11 to 2.14 and nest like this:
 
     _compile.compile_inner                     Dynamo: bytecode capture + the backend call
@@ -28,7 +28,7 @@ import dataclasses
 import math
 from typing import Optional
 
-from torch._dynamo.utils import compilation_time_metrics
+from fxamp import _compat
 
 DYNAMO, BACKEND = "_compile.compile_inner", "OutputGraph.call_user_compiler"
 AOT, AOT_BACKWARD, INDUCTOR = ("create_aot_dispatcher_function", "compile_fx.<locals>.bw_compiler",
@@ -40,7 +40,7 @@ LABELS = ("Dynamo capture", "fxamp re-trace + passes", "AOTAutograd", "Inductor"
 
 def snapshot() -> dict[str, float]:
     """Seconds spent so far in each function torch times while compiling."""
-    return {name: sum(times) for name, times in compilation_time_metrics.items()}
+    return {name: sum(times) for name, times in _compat.compile_time_metrics().items()}
 
 
 @dataclasses.dataclass

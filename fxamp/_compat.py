@@ -37,7 +37,7 @@ __all__ = [
     "set_compiled_call", "COMPILED_CALL_ATTR", "own_tensors", "rename_node", "SEQ_NR",
     "FWD_NN_MODULE_STACK", "PARTITIONER_TAG", "EXAMPLE_VALUE", "from_node_names",
     "active_ddp_module", "ddp_bucket_dtypes", "functional_all_reduce", "foreach_add_",
-    "foreach_copy_",
+    "foreach_copy_", "compile_time_metrics", "compile_cache_counters",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
@@ -191,3 +191,26 @@ def functional_all_reduce(tensor: torch.Tensor, op: str, group: Any) -> torch.Te
 # One kernel per list instead of one per tensor. Checked on 2.11.0, 2.13.0, 2.14.1.
 foreach_add_ = torch._foreach_add_
 foreach_copy_ = torch._foreach_copy_
+
+
+# ------------------------------------------------------------------ compile-time accounting
+def compile_time_metrics() -> dict[str, list[float]]:
+    """Seconds per call of each function torch times while compiling (`dynamo_timed`), by name
+    (benchmarks/compile_breakdown.py). The names read there, `_compile.compile_inner`,
+    `OutputGraph.call_user_compiler`, `create_aot_dispatcher_function`,
+    `compile_fx.<locals>.bw_compiler` and `compile_fx_inner`, checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return compilation_time_metrics
+
+
+_CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+                   ("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_hit"),
+                   ("aot_autograd", "autograd_cache_miss"),
+                   ("aot_autograd", "autograd_cache_bypass"))
+
+
+def compile_cache_counters() -> dict[str, int]:
+    """Hits, misses and bypasses of Inductor's FX graph cache and AOTAutograd's cache so far in
+    this process. Checked on 2.11.0, 2.13.0, 2.14.1."""
+    return {name: dynamo_counters[group][name] for group, name in _CACHE_COUNTERS}
