@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -28,11 +29,14 @@ _BACKEND_ATTR = "_fxamp_backend"
 
 @dataclasses.dataclass(frozen=True)
 class CompiledGraph:
-    """One graph the backend transformed: the ATen graph after the passes, and what they did."""
+    """One graph the backend transformed: the ATen graph after the passes, what they did, and
+    the seconds fxamp's own stages took (the re-trace to ATen, the passes)."""
 
     graph_module: fx.GraphModule
     stats: PassStats
     config: AmpConfig
+    trace_s: float = 0.0
+    passes_s: float = 0.0
 
 
 def _device_type(example_inputs: Sequence[Any]) -> str:
@@ -91,9 +95,12 @@ class FxampBackend:
             config = config.resolve(config.device_type or _device_type(example_inputs))
         _check_active_ddp()
         fake_mode = _compat.detect_fake_mode(example_inputs) or _compat.FakeTensorMode()
+        start = time.perf_counter()
         aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
+        traced = time.perf_counter()
         stats = run_passes(aten_gm, config, fake_mode)
-        self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config))
+        self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
+                                                  time.perf_counter() - traced))
         log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
         return self._inner(aten_gm, example_inputs)
 
