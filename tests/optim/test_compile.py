@@ -103,3 +103,17 @@ def test_twelve_optimizers_and_their_loss_scalers_compile_in_one_process():
             tol = {} if a.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)  # bf16: 1 ulp
             torch.testing.assert_close(a, b, **tol)
 
+
+
+def test_ten_loss_scalers_with_different_rules_update_in_one_process():
+    # Each LossScaler compiles its own standalone update (Note [One compiled step per
+    # optimizer]); ten rules would be ten entries on one shared function, past the limit of 8.
+    rules = [dict(semantics=s, growth_interval=g) for s in ("apex", "torch", "deepspeed")
+             for g in (1, 2, 3)] + [dict(semantics="apex", growth_interval=1, max_loss_scale=4.0)]
+    overflows = [False, True, False, False, True, False, False]
+    for rule in rules:
+        compiled, eager = fo.LossScaler(**rule), fo.LossScaler(**rule, compile=False)
+        for overflow in overflows:
+            for scaler in (compiled, eager):
+                scaler.update(torch.tensor(overflow))
+        assert compiled.state_dict() == eager.state_dict(), rule
