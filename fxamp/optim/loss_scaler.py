@@ -62,7 +62,7 @@ class LossScaler:
         self._state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._found: Optional[torch.Tensor] = None
         self._round: set[int] = set()
-        self._update = compiled_update if compile else update_in_place
+        self._update = compiled_update() if compile else update_in_place
 
     @classmethod
     def from_config(cls, config: AmpConfig, **kwargs: Any) -> "LossScaler":

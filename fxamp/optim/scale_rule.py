@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from fxamp._compat import compile_fresh
 from fxamp.errors import ConfigError
 
 __all__ = ["ScaleRule", "SEMANTICS", "UNSET", "build_rule", "next_scale_state",
@@ -80,7 +81,10 @@ def update_in_place(scale, tracker, hysteresis, found_inf, rule: ScaleRule) -> N
         dst.copy_(src)
 
 
-compiled_update = torch.compile(update_in_place, fullgraph=True, recompile_limit=64)
+def compiled_update():
+    """`update_in_place` compiled for one LossScaler (Note [One compiled step per optimizer]
+    in fused_step.py)."""
+    return compile_fresh(update_in_place, fullgraph=True, dynamic=False)
 
 
 def _opt_float(value: Any) -> Optional[float]:

@@ -16,12 +16,6 @@ from .harness import Pattern
 B, D = 8, 32
 
 # The symptoms on main (2026-11-23), item numbers as in issue 10.
-FUNCTION = ("issue 10 item 1: every parameter before the autograd.Function gets grad=None "
-            "(fxamp lost the gradient of ['a.weight', 'a.bias'])")
-CHECKPOINT = ("issue 10 item 3: BackendCompilerFailed in fxamp's backend: "
-              "RuntimeError: _checkpoint_context_fn")
-SELECTIVE_O1 = ("issue 10 item 3: BackendCompilerFailed: FxampError: annotate: "
-                "higher_order.tag_activation_checkpoint (O2 runs it)")
 FP32_REGION_O2 = ("new: refused at O2: FxampError: aten.linear.default in b would get bf16 and "
                   "f32 inputs under policy 'keep' (the fp32 region's output meets the bf16 "
                   "model; autocast casts it)")
@@ -140,20 +134,19 @@ def _fp16_region(self, h):
 
 PATTERNS = [
     Pattern("autograd_function", FUNCTION_GROUP, "custom autograd.Function (forward takes ctx)",
-            _stack(lambda self, h: Square.apply(h)), xfail={"*": FUNCTION}, inductor=True),
+            _stack(lambda self, h: Square.apply(h)), inductor=True),
     Pattern("autograd_function_setup_context", FUNCTION_GROUP,
             "custom autograd.Function with setup_context and a non-tensor argument",
-            _stack(lambda self, h: ScaledTanh.apply(h, 2.0)), xfail={"*": FUNCTION}),
+            _stack(lambda self, h: ScaledTanh.apply(h, 2.0))),
     Pattern("checkpoint_reentrant", CHECKPOINTING, "torch.utils.checkpoint(use_reentrant=True)",
-            _checkpointed(use_reentrant=True), xfail={"*": CHECKPOINT}),
+            _checkpointed(use_reentrant=True)),
     Pattern("checkpoint_non_reentrant", CHECKPOINTING,
             "torch.utils.checkpoint(use_reentrant=False)",
-            _checkpointed(use_reentrant=False), xfail={"*": CHECKPOINT}, inductor=True),
+            _checkpointed(use_reentrant=False), inductor=True),
     Pattern("selective_checkpoint", CHECKPOINTING,
             "selective activation checkpointing (create_selective_checkpoint_contexts)",
             _checkpointed(use_reentrant=False, context_fn=functools.partial(
-                ckpt.create_selective_checkpoint_contexts, _save_matmuls)),
-            xfail={"O1": SELECTIVE_O1}),
+                ckpt.create_selective_checkpoint_contexts, _save_matmuls))),
     Pattern("break_item", BREAKS, "graph break: .item() in forward", _stack(_item),
             inductor=True),
     Pattern("break_print", BREAKS, "graph break: print() in forward", _stack(_print)),

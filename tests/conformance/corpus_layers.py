@@ -17,9 +17,6 @@ B, D = 8, 32
 BREAK_O1 = ("issue 10 item 2: the full backward hook breaks the graph and fc2 runs eagerly "
             "outside O1's policy: RuntimeError: mat1 and mat2 must have the same dtype, but got "
             "BFloat16 (Half) and Float")
-TENSOR_HOOK = ("new: the hook registered in forward is dropped at every level (O0 too): "
-               "fc1's gradient is 1/3 of fp32's (Dynamo's higher_order.register_hook node is lost "
-               "when fxamp re-traces the graph)")
 NO_GRAD_CAST = ("new: at O1 the output is detached (RuntimeError: element 0 of tensors does "
                 "not require grad): `h - ema` is promoted by reusing the user's h.float() made "
                 "inside torch.no_grad() (sub.Tensor(to, add_) after _set_grad_enabled(True))")
@@ -174,7 +171,7 @@ PATTERNS = [
             "register_full_backward_hook scaling a module's input gradient",
             _backward_hook, xfail={"O1": BREAK_O1}),
     Pattern("tensor_hook", HOOKS, "Tensor.register_hook on an activation inside forward",
-            lambda: (TensorHook(), (_x(B, D),)), xfail={"*": TENSOR_HOOK}, inductor=True),
+            lambda: (TensorHook(), (_x(B, D),)), inductor=True),
     Pattern("buffer_update", BUFFERS, "register_buffer updated in place in forward (EMA, counter)",
             lambda: (RunningMean(), (_x(B, D),)), xfail={"O1": NO_GRAD_CAST}, inductor=True),
     Pattern("inplace", LAYERS, "ReLU(inplace=True), Dropout(inplace=True), +=, F.leaky_relu_",
