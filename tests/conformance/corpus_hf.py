@@ -12,9 +12,6 @@ from .harness import Pattern
 BATCH, SEQ, VOCAB, HIDDEN = 2, 12, 96, 32
 _TEXT = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=1, pad_token_id=None, use_cache=False)
 
-CHECKPOINT = ("issue 10 item 3: gradient_checkpointing_enable() fails in fxamp's backend: "
-              "BackendCompilerFailed: RuntimeError: _checkpoint_context_fn")
-
 
 def _gpt2():
     return transformers.GPT2LMHeadModel(transformers.GPT2Config(
@@ -52,8 +49,7 @@ def _hf(name: str, factory, checkpointing: bool, slow: bool = False) -> Pattern:
     suffix = ", gradient_checkpointing_enable()" if checkpointing else ""
     return Pattern(f"hf_{name}{'_gc' if checkpointing else ''}", HF,
                    f"transformers {factory.__name__[1:]} (tiny config){suffix}",
-                   _build(factory, checkpointing), call=_logits, slow=slow,
-                   xfail={"*": CHECKPOINT} if checkpointing else {})
+                   _build(factory, checkpointing), call=_logits, slow=slow)
 
 
 PATTERNS = [
