@@ -28,10 +28,11 @@ from torch._guards import detect_fake_mode  # noqa: F401
 from torch._ops import OpOverload  # noqa: F401
 from torch._subclasses import FakeTensor, FakeTensorMode  # noqa: F401
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
 __all__ = [
     "TORCH_VERSION", "pytree", "dynamo_counters", "make_boxed_func", "detect_fake_mode",
-    "OpOverload", "FakeTensor", "FakeTensorMode", "make_fx", "BackendCompilerFailed",
+    "OpOverload", "FakeTensor", "FakeTensorMode", "make_fx", "TorchDispatchMode", "BackendCompilerFailed",
     "Unsupported", "compile_fx", "list_mode_options", "aot_eager", "aot_autograd",
     "compile_fresh", "ENTER_AUTOCAST", "EXIT_AUTOCAST", "NORM_MODULE_TYPES", "call_impl",
     "set_compiled_call", "COMPILED_CALL_ATTR", "own_tensors", "rename_node", "SEQ_NR",

@@ -9,8 +9,8 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
+from fxamp import _compat
 from fxamp.cast_model import boundary_forward, cast_model
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
@@ -49,15 +49,10 @@ def _inner_compiler(compiler: Compiler, mode: Optional[str], options: Optional[d
     if callable(compiler):
         return compiler
     if compiler == "inductor":
-        from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx
-
-        patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
-        return lambda gm, inputs: compile_fx(gm, inputs, config_patches=patches or None)
+        patches = {**(_compat.list_mode_options(mode) if mode else {}), **(options or {})}
+        return lambda gm, inputs: _compat.compile_fx(gm, inputs, config_patches=patches or None)
     if compiler in ("aot_eager", "eager"):
-        from torch._dynamo.backends.debugging import aot_eager
-
-        return aot_eager
+        return _compat.aot_eager
     raise ConfigError(f"compiler={compiler!r} is not one of 'inductor', 'aot_eager' or a callable")
 
 
@@ -99,7 +94,7 @@ class FxampBackend:
         if not config.is_resolved:
             config = config.resolve(config.device_type or _device_type(example_inputs))
         _check_active_ddp()
-        fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+        fake_mode = _compat.detect_fake_mode(example_inputs) or _compat.FakeTensorMode()
         start = time.perf_counter()
         aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
         traced = time.perf_counter()
@@ -113,8 +108,7 @@ class FxampBackend:
 def _check_active_ddp() -> None:
     # Traced inside a DistributedDataParallel's forward: refuse a DDP built before fxamp.compile
     # cast the parameters (it would reduce in the old dtype and let the replicas drift).
-    ddp_type = torch.nn.parallel.DistributedDataParallel
-    ddp = ddp_type._get_active_ddp_module() if hasattr(ddp_type, "_get_active_ddp_module") else None
+    ddp = _compat.active_ddp_module()
     if ddp is not None:
         from fxamp.distributed import check_ddp_order
 
@@ -209,12 +203,12 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
                    dynamic: Optional[bool] = None, fullgraph: bool = False) -> None:
     """Make every `model(...)` call run the fxamp-compiled graph, boundary casts included.
 
-    `_compiled_call_impl` is the slot `nn.Module.compile` itself fills; fxamp fills it with
+    fxamp fills the slot `nn.Module.compile` itself fills (`_compat.set_compiled_call`) with
     the model's call wrapped in its boundary casts (Note [Model-boundary casts]).
     """
     forward = boundary_forward(model, fxamp_backend.config)
-    model._compiled_call_impl = torch.compile(forward, backend=fxamp_backend, dynamic=dynamic,
-                                              fullgraph=fullgraph)
+    _compat.set_compiled_call(model, torch.compile(forward, backend=fxamp_backend,
+                                                   dynamic=dynamic, fullgraph=fullgraph))
     setattr(model, _BACKEND_ATTR, fxamp_backend)
 
 
