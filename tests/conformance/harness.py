@@ -212,6 +212,7 @@ def _check_structure(run: Run, ref: Run) -> None:
     lost = [n for n, g in ref.grads.items() if g is not None and run.grads.get(n) is None]
     assert not lost, f"fxamp lost the gradient of {lost} (fp32 eager has them)"
     assert set(run.buffers) == set(ref.buffers), "buffers differ from the fp32 model's"
+    assert len(run.outputs) == len(ref.outputs), "the output's structure differs from fp32's"
     for i, (out, want) in enumerate(zip(run.outputs, ref.outputs)):
         if want.dtype in (torch.float64, torch.complex64, torch.complex128) or (
                 not want.is_floating_point() and not want.is_complex()):
