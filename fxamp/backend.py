@@ -12,6 +12,7 @@ from torch._guards import detect_fake_mode
 
 from fxamp.cast_model import boundary_forward, cast_model
 from fxamp.config import AmpConfig
+from fxamp.eager_regions import with_policy_autocast, without_autocast
 from fxamp.errors import ConfigError
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
@@ -96,11 +97,13 @@ class FxampBackend:
             config = config.resolve(config.device_type or _device_type(example_inputs))
         _check_active_ddp()
         fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
-        aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
-        stats = run_passes(aten_gm, config, fake_mode)
-        self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config))
-        log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
-        return self._inner(aten_gm, example_inputs)
+        # Note [Eager regions run under autocast]: fxamp's graphs see only fxamp's policy.
+        with torch.autocast(config.device_type, enabled=False):
+            aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
+            stats = run_passes(aten_gm, config, fake_mode)
+            self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config))
+            log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
+            return without_autocast(self._inner(aten_gm, example_inputs), config.device_type)
 
 
 def _check_active_ddp() -> None:
@@ -203,11 +206,12 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
     """Make every `model(...)` call run the fxamp-compiled graph, boundary casts included.
 
     `_compiled_call_impl` is the slot `nn.Module.compile` itself fills; fxamp fills it with
-    the model's call wrapped in its boundary casts (Note [Model-boundary casts]).
+    the model's call wrapped in its boundary casts (Note [Model-boundary casts]), at O1 under
+    torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
     """
     forward = boundary_forward(model, fxamp_backend.config)
-    model._compiled_call_impl = torch.compile(forward, backend=fxamp_backend, dynamic=dynamic,
-                                              fullgraph=fullgraph)
+    compiled = torch.compile(forward, backend=fxamp_backend, dynamic=dynamic, fullgraph=fullgraph)
+    model._compiled_call_impl = with_policy_autocast(compiled, fxamp_backend.config)
     setattr(model, _BACKEND_ATTR, fxamp_backend)
 
 
