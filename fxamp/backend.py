@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
+from fxamp import _compat
 from fxamp.cast_model import boundary_forward, cast_model
 from fxamp.config import AmpConfig
 from fxamp.eager_regions import with_policy_autocast, without_autocast
@@ -29,11 +30,14 @@ _BACKEND_ATTR = "_fxamp_backend"
 
 @dataclasses.dataclass(frozen=True)
 class CompiledGraph:
-    """One graph the backend transformed: the ATen graph after the passes, and what they did."""
+    """One graph the backend transformed: the ATen graph after the passes, what they did, and
+    the seconds fxamp's own stages took (the re-trace to ATen, the passes)."""
 
     graph_module: fx.GraphModule
     stats: PassStats
     config: AmpConfig
+    trace_s: float = 0.0
+    passes_s: float = 0.0
 
 
 def _device_type(example_inputs: Sequence[Any]) -> str:
@@ -46,15 +50,10 @@ def _inner_compiler(compiler: Compiler, mode: Optional[str], options: Optional[d
     if callable(compiler):
         return compiler
     if compiler == "inductor":
-        from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx
-
-        patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
-        return lambda gm, inputs: compile_fx(gm, inputs, config_patches=patches or None)
+        patches = {**(_compat.list_mode_options(mode) if mode else {}), **(options or {})}
+        return lambda gm, inputs: _compat.compile_fx(gm, inputs, config_patches=patches or None)
     if compiler in ("aot_eager", "eager"):
-        from torch._dynamo.backends.debugging import aot_eager
-
-        return aot_eager
+        return _compat.aot_eager
     raise ConfigError(f"compiler={compiler!r} is not one of 'inductor', 'aot_eager' or a callable")
 
 
@@ -96,12 +95,15 @@ class FxampBackend:
         if not config.is_resolved:
             config = config.resolve(config.device_type or _device_type(example_inputs))
         _check_active_ddp()
-        fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+        fake_mode = _compat.detect_fake_mode(example_inputs) or _compat.FakeTensorMode()
         # Note [Eager regions run under autocast]: fxamp's graphs see only fxamp's policy.
         with torch.autocast(config.device_type, enabled=False):
+            start = time.perf_counter()
             aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
+            traced = time.perf_counter()
             stats = run_passes(aten_gm, config, fake_mode)
-            self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config))
+            self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
+                                                      time.perf_counter() - traced))
             log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
             return without_autocast(self._inner(aten_gm, example_inputs), config.device_type)
 
@@ -109,8 +111,7 @@ class FxampBackend:
 def _check_active_ddp() -> None:
     # Traced inside a DistributedDataParallel's forward: refuse a DDP built before fxamp.compile
     # cast the parameters (it would reduce in the old dtype and let the replicas drift).
-    ddp_type = torch.nn.parallel.DistributedDataParallel
-    ddp = ddp_type._get_active_ddp_module() if hasattr(ddp_type, "_get_active_ddp_module") else None
+    ddp = _compat.active_ddp_module()
     if ddp is not None:
         from fxamp.distributed import check_ddp_order
 
@@ -205,13 +206,13 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
                    dynamic: Optional[bool] = None, fullgraph: bool = False) -> None:
     """Make every `model(...)` call run the fxamp-compiled graph, boundary casts included.
 
-    `_compiled_call_impl` is the slot `nn.Module.compile` itself fills; fxamp fills it with
+    fxamp fills the slot `nn.Module.compile` itself fills (`_compat.set_compiled_call`) with
     the model's call wrapped in its boundary casts (Note [Model-boundary casts]), at O1 under
     torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
     """
     forward = boundary_forward(model, fxamp_backend.config)
     compiled = torch.compile(forward, backend=fxamp_backend, dynamic=dynamic, fullgraph=fullgraph)
-    model._compiled_call_impl = with_policy_autocast(compiled, fxamp_backend.config)
+    _compat.set_compiled_call(model, with_policy_autocast(compiled, fxamp_backend.config))
     setattr(model, _BACKEND_ATTR, fxamp_backend)
 
 

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import make_fx
+
+from fxamp._compat import EXAMPLE_VALUE, make_fx, rename_node
 
 from fxamp._compat import (SET_GRAD_ENABLED, emit_call, make_fx_tracer, pytree,
                            retrace_subgraph)
@@ -29,7 +30,7 @@ def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode) ->
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     fakes = []
     for node, value in zip(placeholders, example_inputs):
-        example = node.meta.get("example_value")
+        example = node.meta.get(EXAMPLE_VALUE)
         if isinstance(value, torch.Tensor):
             fakes.append(fake_mode.from_tensor(value))
         else:
@@ -96,7 +97,7 @@ def to_aten(gm: fx.GraphModule, fakes: Sequence[Any], fake_mode) -> fx.GraphModu
     sources = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     for node, source in zip(list(aten_gm.graph.find_nodes(op="placeholder")), sources):
         node.meta["fxamp_source"] = source
-        node.target = node._rename(readable_name(source)) or node.name
+        node.target = rename_node(node, readable_name(source))
     aten_gm.recompile()
     return aten_gm
 
