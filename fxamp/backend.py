@@ -13,7 +13,8 @@ import torch.fx as fx
 from fxamp import _compat
 from fxamp.cast_model import boundary_forward, cast_model
 from fxamp.config import AmpConfig
-from fxamp.eager_regions import with_policy_autocast, without_autocast
+from fxamp.copies import CompileSettings, make_copyable
+from fxamp.eager_regions import warn_untraced, with_policy_autocast, without_autocast
 from fxamp.errors import ConfigError
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
@@ -79,6 +80,7 @@ class FxampBackend:
         self._key = (config.cache_key(), compiler if isinstance(compiler, str) else id(compiler),
                      mode, tuple(sorted((options or {}).items())))
         self._inner = _inner_compiler(compiler, mode, options)
+        self.compile_args = {"compiler": compiler, "mode": mode, "options": options}
         self.compiled_graphs: list[CompiledGraph] = []
 
     def __eq__(self, other: object) -> bool:
@@ -199,6 +201,7 @@ def compile(model: torch.nn.Module, *, opt_level: str = "O1", config: Optional[A
     cast_model(model, config)
     compile_module(model, FxampBackend(config, compiler=compiler, mode=mode, options=options),
                    dynamic=dynamic, fullgraph=fullgraph)
+    warn_untraced(model, config)
     return model
 
 
@@ -214,6 +217,9 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
     compiled = torch.compile(forward, backend=fxamp_backend, dynamic=dynamic, fullgraph=fullgraph)
     _compat.set_compiled_call(model, with_policy_autocast(compiled, fxamp_backend.config))
     setattr(model, _BACKEND_ATTR, fxamp_backend)
+    settings = CompileSettings(fxamp_backend.config, **fxamp_backend.compile_args,
+                               dynamic=dynamic, fullgraph=fullgraph)
+    make_copyable(model, settings, _BACKEND_ATTR)  # Note [Copies keep the compiled call]
 
 
 def backend_of(model: torch.nn.Module) -> Optional[FxampBackend]:

@@ -19,13 +19,16 @@ as under Apex), so they run without autocast.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable
 
 import torch
 
+from fxamp import _compat
 from fxamp.config import AmpConfig
+from fxamp.errors import EagerRegionWarning
 
-__all__ = ["with_policy_autocast", "without_autocast"]
+__all__ = ["with_policy_autocast", "without_autocast", "untraced_modules", "warn_untraced"]
 
 
 def with_policy_autocast(fn: Callable[..., Any], config: AmpConfig) -> Callable[..., Any]:
@@ -52,3 +55,31 @@ def without_autocast(compiled: Callable[..., Any], device_type: str) -> Callable
 
     call._boxed_call = boxed  # type: ignore[attr-defined]
     return call
+
+
+def untraced_modules(model: torch.nn.Module) -> list[str]:
+    """'path (Class)' of every submodule Dynamo runs eagerly instead of tracing (RNNs)."""
+    if _compat.dynamo_traces_rnns():
+        return []
+    return [f"{name or '<root>'} ({type(m).__name__})" for name, m in model.named_modules()
+            if isinstance(m, torch.nn.RNNBase)]
+
+
+def eager_policy(config: AmpConfig) -> str:
+    """What an eager region gets at this level, in words."""
+    if config.patch_torch_functions:
+        return f"torch.autocast({config.device_type!r}, dtype={config.dtype}), not fxamp's graphs"
+    return f"no casts: its weights as stored ({config.opt_level} casts no ops)"
+
+
+def warn_untraced(model: torch.nn.Module, config: AmpConfig) -> list[str]:
+    """Warn once, at fxamp.compile, naming the modules that will run eagerly."""
+    found = untraced_modules(model)
+    if found:
+        warnings.warn(
+            f"fxamp {config.opt_level}: {', '.join(found)} not traced by Dynamo (RNN modules "
+            f"run eagerly), so they run under {eager_policy(config)}; fxamp.explain() lists "
+            "them. On CPU, nn.LSTM under bf16 autocast can fail inside oneDNN (a torch "
+            "limitation, plain torch.autocast too): exclude it with a torch.autocast("
+            "enabled=False) region in forward", EagerRegionWarning, stacklevel=3)
+    return found

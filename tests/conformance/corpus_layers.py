@@ -13,9 +13,6 @@ from .harness import Pattern
 B, D = 8, 32
 
 # The symptoms on main (2026-11-23), item numbers as in issue 10.
-BREAK_O1 = ("issue 10 item 2: the full backward hook breaks the graph and fc2 runs eagerly "
-            "outside O1's policy: RuntimeError: mat1 and mat2 must have the same dtype, but got "
-            "BFloat16 and Float")
 NO_GRAD_CAST = ("new: at O1 the output no longer requires grad (RuntimeError: element 0 of "
                 "tensors does not require grad): the h.float() taken under torch.no_grad() for "
                 "the EMA seems to be reused for `h - ema` outside it")
@@ -167,7 +164,7 @@ PATTERNS = [
     Pattern("module_hooks", "forward pre-hook and forward hook changing input and output",
             _module_hooks),
     Pattern("backward_hook", "register_full_backward_hook scaling a module's input gradient",
-            _backward_hook, xfail={"O1": BREAK_O1}),
+            _backward_hook),
     Pattern("tensor_hook", "Tensor.register_hook on an activation inside forward",
             lambda: (TensorHook(), (_x(B, D),))),
     Pattern("buffer_update", "register_buffer updated in place in forward (EMA, counter)",
