@@ -59,11 +59,11 @@ import transformers
 import fxamp
 import fxamp.optim
 from benchmarks import compile_breakdown, gpu_lock
+from benchmarks.e2e_tables import BASELINES, absolute_rows, breakdown_rows, plot, ratio_rows
 from benchmarks.workloads import SIZES, WORKLOADS, Workload, peak_flops
 
 RECIPES = ("eager", "compile", "fxamp-O1", "fxamp-O2")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-BASELINES = ("eager", "compile")
 
 
 @dataclasses.dataclass
@@ -267,12 +267,15 @@ def _measurement(name: str, dtype: str, r: Runner, work: Workload, step_s: Optio
 
 
 def measure_model(name: str, work: Workload, device, dtype_name: str, args, *,
-                  peak: Optional[float], report: Callable[[list[Measurement]], None]
-                  ) -> list[Measurement]:
+                  peak: Optional[float], report: Callable[[list[Measurement]], None],
+                  first: bool = False) -> list[Measurement]:
     """Prepare every recipe (compiling, with the device shared), then time them taking turns
-    (with the device to this process: benchmarks/gpu_lock.py); `report` gets partial results."""
+    (with the device to this process: benchmarks/gpu_lock.py); `report` gets partial results.
+    The `first` model also pays Inductor's once-per-process start-up beforehand."""
     batch, runners = (work.inputs.to(device), work.targets.to(device)), []
     with gpu_lock.hold(args.lock, exclusive=False):
+        if first:
+            warm_up_compiler(device, args.compiler)
         for recipe in args.recipes:
             runners.append(prepare(recipe, work.make_model, batch, DTYPES[dtype_name], device,
                                    warmup=args.warmup, cold=not args.warm,
@@ -285,42 +288,6 @@ def measure_model(name: str, work: Workload, device, dtype_name: str, args, *,
     with gpu_lock.hold(args.lock, exclusive=True):
         medians = interleaved_medians(runners, batch, device, args.steps)
     return [_measurement(name, dtype_name, r, work, medians[r.recipe], peak) for r in runners]
-
-
-def ratio_rows(results: list[Measurement]) -> list[str]:
-    """fxamp / baseline for each metric (below 1: fxamp is faster, smaller or compiles sooner)."""
-    rows = ["| model | dtype | fxamp | vs | step time | peak memory | compile time |",
-            "|---|---|---|---|---:|---:|---:|"]
-    by = {(r.model, r.dtype, r.recipe): r for r in results if r.step_ms is not None}
-    for (model, dtype, recipe), r in by.items():
-        for base in BASELINES if recipe not in BASELINES else ():
-            b = by.get((model, dtype, base))
-            if b is None:
-                continue
-            compile_ratio = (f"{r.compile_s / b.compile_s:.2f}x"
-                             if base == "compile" and b.compile_s else "-")
-            rows.append(f"| {model} | {dtype} | {recipe} | {base} | {r.step_ms / b.step_ms:.2f}x"
-                        f" | {r.peak_mb / b.peak_mb:.2f}x | {compile_ratio} |")
-    return rows
-
-
-def absolute_rows(results: list[Measurement]) -> list[str]:
-    rows = ["| model | dtype | recipe | step (ms) | throughput | MFU | peak memory (MiB) | "
-            "compile (s) | first step (s) |", "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in results:
-        step = "-" if r.step_ms is None else f"{r.step_ms:.1f}"
-        rate = "-" if r.throughput is None else f"{r.throughput:,.0f} {r.unit}"
-        mfu = "-" if r.mfu is None else f"{100 * r.mfu:.1f}%"
-        compile_s = "-" if r.compile_s is None else f"{r.compile_s:.1f}"
-        rows.append(f"| {r.model} | {r.dtype} | {r.recipe} | {step} | {rate} | {mfu} | "
-                    f"{r.peak_mb:.1f} | {compile_s} | {r.first_step_s:.1f} |")
-    return rows
-
-
-def breakdown_rows(results: list[Measurement]) -> list[str]:
-    return compile_breakdown.rows([
-        (r.model, f"{r.dtype} {r.recipe}", compile_breakdown.Breakdown(**r.breakdown))
-        for r in results if r.breakdown])
 
 
 def environment(device: torch.device, dtypes: list[str], size: str, threads: Optional[int],
@@ -342,36 +309,6 @@ def _cpu_name() -> str:
             return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
     except (OSError, StopIteration):
         return platform.processor() or "CPU"
-
-
-def plot(results: list[Measurement], path: str, title: str) -> None:
-    """Each recipe's step time, peak memory and compile time relative to `compile`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics = (("step_ms", "step time"), ("peak_mb", "peak memory"), ("compile_s", "compile"))
-    timed = [r for r in results if r.step_ms is not None]
-    models = list(dict.fromkeys((r.model, r.dtype) for r in timed))
-    recipes = list(dict.fromkeys(r.recipe for r in timed))
-    by = {(r.model, r.dtype, r.recipe): r for r in timed}
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), sharey=False)
-    width = 0.8 / len(recipes)
-    for ax, (field, label) in zip(axes, metrics):
-        for i, recipe in enumerate(recipes):
-            values = [getattr(by[(*m, recipe)], field) / max(getattr(by[(*m, "compile")], field),
-                                                              1e-9) for m in models]
-            ax.bar([k + i * width for k in range(len(models))], values, width, label=recipe)
-        ax.axhline(1.0, color="gray", lw=0.8)
-        names = [m if len({d for _, d in models}) == 1 else f"{m} {d}" for m, d in models]
-        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(models))], names)
-        ax.set_title(f"{label} / torch.compile+autocast")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
@@ -422,15 +359,13 @@ def main(argv: Optional[list[str]] = None) -> list[Measurement]:
     peak = peak_flops(device, args.peak_tflops)
     env = environment(device, dtypes, size, threads, peak)
     print(env, flush=True)
-    with gpu_lock.hold(args.lock, exclusive=False):
-        warm_up_compiler(device, args.compiler)
     results: list[Measurement] = []
     save = _saver(args.json, env, results)
     for dtype_name in dtypes:
         for name in args.models:
             work = WORKLOADS[name](*SIZES[size][name])
             results += measure_model(name, work, device, dtype_name, args, peak=peak,
-                                     report=save)
+                                     report=save, first=not results)
             save([])
             gc.collect()
             if cuda:

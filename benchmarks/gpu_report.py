@@ -39,9 +39,10 @@ import sys
 import time
 from typing import Optional
 
-from benchmarks import gpu_lock, report_md
+from benchmarks import gpu_lock
 
 E2E_MODELS, E2E_DTYPES = ("gpt2", "resnet"), ("bf16", "fp16")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 @dataclasses.dataclass
@@ -99,7 +100,7 @@ def run(stages: list[Stage], out: str) -> None:
         for stage in stages:
             log = stack.enter_context(open(os.path.join(out, f"{stage.name}.log"), "w"))
             procs[stage.name] = subprocess.Popen(
-                stage.argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **stage.env},
+                stage.argv, stdout=log, stderr=subprocess.STDOUT, env=_env(stage), cwd=ROOT,
                 start_new_session=True)
             stage.status = "running"
         while any(s.status == "running" for s in stages):
@@ -108,6 +109,12 @@ def run(stages: list[Stage], out: str) -> None:
                 _poll(stage, procs[stage.name], time.monotonic() - start)
             if not any(s.status == "running" for s in stages if s.shared_lock):
                 shared.close()
+
+
+def _env(stage: Stage) -> dict:
+    # fxamp need not be installed: the stages import it, and the benchmarks, from here.
+    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **stage.env}
 
 
 def _stop_all(stages: list[Stage], procs: dict) -> None:
@@ -142,6 +149,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--budget", type=float,
                         help="seconds for the whole report (default 540; smoke 100)")
     args = parser.parse_args(argv)
+    args.out = os.path.abspath(args.out)  # the stages run in the repository
     os.makedirs(args.out, exist_ok=True)
     budget = args.budget or (100.0 if args.smoke else 540.0)
     stages = plan(args.out, args.smoke, budget)
@@ -150,6 +158,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
           f"{args.out}/", flush=True)
     started = time.time()
     run(stages, args.out)
+    from benchmarks import report_md  # torch, transformers, fxamp: not before the stages start
+
     report = report_md.collect(stages, command, started, time.time())
     with open(os.path.join(args.out, "gpu_report.json"), "w") as f:
         json.dump(report, f, indent=1)
