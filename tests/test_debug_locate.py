@@ -5,8 +5,10 @@ fp16 on the CPU (the CPU default is bf16, whose range is fp32's): only fp16 over
 the magnitudes a tiny model reaches.
 """
 
-import expecttest
 import pytest
+
+expecttest = pytest.importorskip("expecttest")  # golden graphs: not on the GPU machines
+
 import torch
 import torch.nn.functional as F
 from torch import nn
