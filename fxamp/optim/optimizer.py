@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import checkpoint, distributed, fused_step, scaled_graphs
+from fxamp.optim import checkpoint, distributed, fused_step, param_checks, scaled_graphs
 from fxamp.optim.algorithms import LAMB, Algorithm
 from fxamp.optim.flat import FlatBucket, flatten_param_groups
 from fxamp.optim.folding import GradientFolding
@@ -46,10 +46,10 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
                  compile: bool = True, process_group: Any = distributed.AUTO) -> None:
         self._buckets: Optional[list[FlatBucket]] = None
-        super().__init__(params, defaults)
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ConfigError(f"max_grad_norm={max_grad_norm!r} must be a positive number or None")
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        owner = type(self).__name__
+        super().__init__(param_checks.as_param_list(params, owner), defaults)
+        param_checks.check_has_params(self.param_groups, owner)
+        self.max_grad_norm = param_checks.check_max_grad_norm(max_grad_norm)
         self.master_weights = master_weights
         self._fns = fused_step.compiled if compile else fused_step.eager
         self._fold_fn = self._fns["fold_grads"]
@@ -57,7 +57,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._buckets = flatten_param_groups(self.param_groups, master_weights=master_weights,
                                              owner=type(self).__name__)
         self._init_group(process_group)
-        device = self.param_groups[0]["params"][0].device
+        device = next(p for g in self.param_groups for p in g["params"]).device
         self._init_device_state(device)
         self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
         self._raw_scaler: Optional[LossScaler] = None  # the scale the raw grads carry
@@ -95,11 +95,15 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._device = device
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        owner = type(self).__name__
         if self._buckets is not None:
-            raise ConfigError(f"{type(self).__name__} flattens its parameters when it is built, "
+            raise ConfigError(f"{owner} flattens its parameters when it is built, "
                               "so add_param_group afterwards is not supported; build a new "
                               "optimizer with all the groups")
+        param_checks.check_new_group(param_group, self.param_groups, owner)
         super().add_param_group(param_group)
+        param_checks.check_hyperparameters(self.param_groups[-1], len(self.param_groups) - 1,
+                                           owner)
 
     @property
     def buckets(self) -> list[FlatBucket]:
