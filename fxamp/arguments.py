@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp import validation
+from fxamp._compat import inductor_config_keys, list_mode_options
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 
@@ -57,8 +58,6 @@ def _name(compiler: Any) -> str:
 
 
 def _check_mode(mode: Any) -> None:
-    from torch._inductor import list_mode_options
-
     try:
         list_mode_options(mode)
     except (RuntimeError, TypeError, KeyError) as e:
@@ -68,9 +67,7 @@ def _check_mode(mode: Any) -> None:
 def _check_options(options: Any) -> None:
     if not isinstance(options, dict):
         raise ConfigError(f"options={options!r} must be a dict of Inductor config settings")
-    from torch._inductor import config as inductor_config
-
-    known = inductor_config.get_config_copy()
+    known = inductor_config_keys()
     unknown = sorted(str(k) for k in options if k not in known)
     if unknown:
         close = sorted(k for k in known if any(u.split(".")[-1] in k for u in unknown))[:5]

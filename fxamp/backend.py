@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from fxamp._compat import set_compiled_call
 from fxamp.arguments import check_compile_flags, check_compiler, entry_config
 from fxamp.cast_model import CastRecord, boundary_forward, cast_model
 from fxamp.compiled_call import CompiledCall
@@ -221,11 +222,11 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
 
     def unprepare() -> None:
         record.undo()
-        model._compiled_call_impl = None
+        set_compiled_call(model, None)
         delattr(model, _BACKEND_ATTR)
 
-    model._compiled_call_impl = CompiledCall(model, compiled, fxamp_backend.config,
-                                             None if record is None else unprepare, record)
+    set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
+                                          None if record is None else unprepare, record))
     setattr(model, _BACKEND_ATTR, fxamp_backend)
 
 

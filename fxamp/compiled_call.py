@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
-from torch._dynamo.exc import BackendCompilerFailed, Unsupported
 
+from fxamp._compat import BackendCompilerFailed, Unsupported, set_compiled_call
 from fxamp.cast_model import CastRecord, storage_dtype
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError, FxampError
@@ -74,7 +74,8 @@ def _recast_tensors(model: torch.nn.Module, config: AmpConfig) -> Optional[str]:
         dtype = storage_dtype(name, module, config)
         if dtype is None:
             continue
-        for key, t in [*module._parameters.items(), *module._buffers.items()]:
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for key, t in tensors:
             if t is not None and t.is_floating_point() and t.dtype not in (dtype, torch.float64):
                 where = f"{name}.{key}" if name else key
                 return f"{where!r} (now {t.dtype}, stored as {dtype})"

@@ -19,6 +19,7 @@ from fxamp.cast_model import cast_model
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
+from fxamp.passes.hops import policy_bodies
 from fxamp.passes.insert_casts import CastInfo
 from fxamp.policy import CastPolicy
 from fxamp.rules import BOUNDARY_REASON, check_module_overrides, is_compute_op, module_path
@@ -181,7 +182,8 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: Optional[str
     breaks = collections.Counter(dynamo_counters["graph_break"]) - breaks_before
     reasons = [reason for reason, n in breaks.items() for _ in range(n)]
     graphs = fxamp_backend.compiled_graphs
-    rows = [row for i, g in enumerate(graphs) for row in _rows(i, g.graph_module)]
+    rows = [row for i, g in enumerate(graphs)
+            for gm in (g.graph_module, *policy_bodies(g.graph_module)) for row in _rows(i, gm)]
     table = None
     if ranges:
         from fxamp.debug.ranges import range_stats  # lazily: fxamp.debug imports the backend

@@ -63,7 +63,7 @@ class FP16_Optimizer(GradientFolding):
         self._device = self._masters[0].device if self._masters else torch.device("cpu")
         self.found_inf = torch.zeros((), dtype=torch.bool, device=self._device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
-        self._fold_fn = (fused_step.compiled if compile else fused_step.eager)["fold_grads"]
+        self._fold_fn = (fused_step.compiled() if compile else fused_step.eager)["fold_grads"]
         self._raw_scaler: Optional[LossScaler] = None
         self._involved: list[LossScaler] = []
         (log.info if verbose else log.debug)(

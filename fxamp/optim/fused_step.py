@@ -17,6 +17,22 @@ step leaves all of them bit-identical (the model copy is the cast of an unchange
 step is also skipped when the loss scale itself is not a positive finite number, so no weight
 is ever updated by gradients divided by 0, inf or NaN. The
 Python side only learns about it when someone asks (`last_step_skipped()`).
+
+# Note [One compiled step per optimizer]
+Each optimizer (and each FP16_Optimizer, each LossScaler) compiles its own copies of these
+functions (`compiled()`, through `_compat.compile_fresh`), rather than all of them sharing one
+`torch.compile` of each. Shared, every structure in the process (number of buckets, dtypes,
+update rule, clipping, loss-scale rule, process group) is one more cache entry on one code
+object, and Dynamo refuses past its recompile limit (8 by default; under fullgraph=True that
+is an error), so a program with a dozen different optimizers failed unless the limit was raised
+(`recompile_limit=`, a keyword torch 2.11 does not have). One optimizer's structure is fixed
+when it is built, so its own cache holds the few variants one step meets (with and without a
+scaler, folded gradients), whatever else the process compiles, and dies with the optimizer.
+Sizes are static (`dynamic=False`): an optimizer's buffers never change size, so the kernels
+are specialised to the real sizes (no symbolic sizes, 32-bit indexing); a second optimizer of
+the same structure and sizes gets its kernels from Inductor's FX graph cache instead of
+compiling them again. Marking sizes dynamic in one shared function was the alternative; it
+still recompiles per structure, so it does not remove the limit.
 """
 
 from __future__ import annotations
@@ -25,6 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from fxamp._compat import compile_fresh
 from fxamp.optim import distributed
 from fxamp.optim.scale_rule import ScaleRule, next_scale_state, scale_is_valid
 
@@ -122,11 +139,11 @@ def inverse(scale: Tensor) -> Tensor:
     return scale.double().reciprocal().float()
 
 
-def _compile(fn):
-    # One cache entry per structure (number of buckets, dtypes, rule, clipping); sizes become
-    # dynamic after the first change, so many optimizers share few graphs.
-    return torch.compile(fn, fullgraph=True, recompile_limit=64)
+def compiled() -> dict[str, Callable]:
+    """`prologue`, `update` and `fold_grads` compiled for one optimizer, with Dynamo caches of
+    their own (Note [One compiled step per optimizer])."""
+    return {fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False)
+            for fn in (prologue, update, fold_grads)}
 
 
-compiled = {fn.__name__: _compile(fn) for fn in (prologue, update, fold_grads)}
 eager = {fn.__name__: fn for fn in (prologue, update, fold_grads)}

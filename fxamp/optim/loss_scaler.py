@@ -70,7 +70,7 @@ class LossScaler:
         self._state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._found: Optional[torch.Tensor] = None
         self._round: set[int] = set()
-        self._update = compiled_update if compile else update_in_place
+        self._update = compiled_update() if compile else update_in_place
         self.scaled_graphs = ScaledGraphs(self)  # Note [A scaled backward awaits its step]
 
     @classmethod

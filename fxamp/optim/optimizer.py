@@ -1,7 +1,7 @@
 """FusedOptimizer: flat buffers, a loss scale and one compiled step for any update rule.
 
-The step is `prologue` + `update` from fused_step.py, compiled once per structure and shared by
-every optimizer of that structure. Nothing in `step` reads a device value: hyperparameters go to
+The step is `prologue` + `update` from fused_step.py, compiled for each optimizer (Note [One
+compiled step per optimizer]). Nothing in `step` reads a device value: hyperparameters go to
 the device only when they change (an lr scheduler costs one scalar fill per group per step), and
 whether the step was skipped stays on the device until `last_step_skipped()`.
 """
@@ -51,7 +51,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         param_checks.check_has_params(self.param_groups, owner)
         self.max_grad_norm = param_checks.check_max_grad_norm(max_grad_norm)
         self.master_weights = master_weights
-        self._fns = fused_step.compiled if compile else fused_step.eager
+        self._fns = fused_step.compiled() if compile else fused_step.eager
         self._fold_fn = self._fns["fold_grads"]
         self._unit = LossScaler(1.0, compile=compile)  # for unscale_ without any scaler
         self._buckets = flatten_param_groups(self.param_groups, master_weights=master_weights,

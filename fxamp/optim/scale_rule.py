@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from fxamp import validation
+from fxamp._compat import compile_fresh
 from fxamp.errors import ConfigError
 
 __all__ = ["ScaleRule", "SEMANTICS", "UNSET", "DEFAULT_MIN_LOSS_SCALE", "build_rule",
@@ -104,7 +105,10 @@ def update_in_place(scale, tracker, hysteresis, found_inf, rule: ScaleRule) -> N
         dst.copy_(src)
 
 
-compiled_update = torch.compile(update_in_place, fullgraph=True, recompile_limit=64)
+def compiled_update():
+    """`update_in_place` compiled for one LossScaler (Note [One compiled step per optimizer]
+    in fused_step.py)."""
+    return compile_fresh(update_in_place, fullgraph=True, dynamic=False)
 
 
 def build_rule(semantics: str, dynamic: bool, consecutive_hysteresis: bool,

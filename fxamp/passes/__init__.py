@@ -9,6 +9,7 @@ import torch.fx as fx
 
 from fxamp.config import AmpConfig
 from fxamp.passes.annotate import FXAMP_META, OpDecision, annotate
+from fxamp.passes.hops import policy_bodies
 from fxamp.passes.insert_casts import insert_casts, is_fxamp_cast
 from fxamp.passes.validate import validate
 
@@ -50,12 +51,14 @@ class _LazyGraph:
 def run_passes(gm: fx.GraphModule, config: AmpConfig, fake_mode) -> PassStats:
     """Run the fxamp passes in place on a pre-dispatch ATen graph with fake `meta['val']`."""
     assert config.is_resolved, "run_passes needs a config resolved for a device"
-    annotated = annotate(gm, config, fake_mode)
-    checked = validate(gm, config)
-    inserted = insert_casts(gm)
-    removed = remove_dead_casts(gm)
-    gm.graph.lint()
-    gm.recompile()
+    annotated = annotate(gm, config, fake_mode)  # forward bodies of higher-order ops too
+    graphs = [gm, *policy_bodies(gm)]
+    checked = sum(validate(g, config) for g in graphs)
+    inserted = sum(insert_casts(g) for g in graphs)
+    removed = sum(remove_dead_casts(g) for g in graphs)
+    for g in graphs:
+        g.graph.lint()
+        g.recompile()
     stats = PassStats(annotated, checked, inserted - removed, removed)
     log.debug("fxamp %s (%s): %s\n%s", config.opt_level, config.policy, stats, _LazyGraph(gm))
     return stats

@@ -9,6 +9,7 @@ materialises the decisions, and `explain()` prints them.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Optional
 
 import torch
@@ -18,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from fxamp.config import LOW_DTYPES, AmpConfig
 from fxamp.errors import FxampError
+from fxamp.passes.hops import body_inputs, hop_spec
 from fxamp.policy import CastPolicy
 from fxamp.rules import USER_CAST_OPS, castable_args, choose_policy
 
@@ -166,9 +168,9 @@ class _UserAutocast:
     that must stay fp32), so fxamp leaves every op there as traced.
     """
 
-    def __init__(self, device_type: str):
+    def __init__(self, device_type: str, inherited: bool = False):
         self.device_type = device_type
-        self.stack: list[bool] = []
+        self.stack: list[bool] = [inherited]
 
     def visit(self, node: fx.Node) -> None:
         if node.target is torch.amp.autocast_mode._enter_autocast:
@@ -182,38 +184,84 @@ class _UserAutocast:
 
 
 def annotate(gm: fx.GraphModule, config: AmpConfig, fake_mode) -> int:
-    """Record an OpDecision on every call_function node; returns how many get casts."""
+    """Record an OpDecision on every call_function node; returns how many get casts.
+
+    The forward bodies of the higher-order ops fxamp keeps (hops.py) are annotated too, each
+    seeing the dtypes its inputs have after the decisions around it.
+    """
+    return _annotate_graph(gm, config, fake_mode, None, False)[0]
+
+
+def _annotate_graph(gm: fx.GraphModule, config: AmpConfig, fake_mode,
+                    inputs: Optional[list[Any]], in_user_autocast: bool) -> tuple[int, Any]:
     env: dict[fx.Node, Any] = {}
     changed = 0
-    user_autocast = _UserAutocast(config.device_type)
+    user_autocast = _UserAutocast(config.device_type, in_user_autocast)
+    placeholders = iter(inputs) if inputs is not None else None
     for node in gm.graph.nodes:
+        if node.op == "placeholder" and placeholders is not None:
+            env[node] = next(placeholders)  # a body: the values it is really called with
+            node.meta[FXAMP_META] = OpDecision(CastPolicy.KEEP, "body input", (), {},
+                                               val=env[node])
+            continue
         if node.op in ("placeholder", "get_attr"):
-            env[node] = node.meta.get("val")
+            env[node] = node.meta.get("val") if "val" in node.meta else _fetch(gm, node)
             continue
         if node.op == "output":
-            continue
+            return changed, pytree.tree_map(lambda x: env[x] if isinstance(x, fx.Node) else x,
+                                            node.args[0])
         leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
         vals = [env[x] if isinstance(x, fx.Node) else x for x in leaves]
         user_autocast.visit(node)
-        if user_autocast.active:
-            decision = OpDecision(CastPolicy.KEEP, "inside the user's torch.autocast region",
-                                  tuple(_dtype(v) for v in vals), {})
-        else:
-            decision = _decide(node, vals, config)
-        inputs_changed = any(isinstance(x, fx.Node) and env[x] is not x.meta.get("val")
-                             for x in leaves)
-        if decision.arg_casts or decision.set_dtype_kwarg or decision.restore_output \
-                or inputs_changed:
-            try:
-                decision.val = _run(node, vals, decision, fake_mode)
-            except Exception as e:
-                raise FxampError(f"annotate: {node.format_node()}") from e
-        else:
-            decision.val = node.meta.get("val")
-        changed += bool(decision.arg_casts or decision.set_dtype_kwarg)
+        decision, body_changes = _node_decision(node, vals, config, fake_mode, user_autocast)
+        changed += body_changes + bool(decision.arg_casts or decision.set_dtype_kwarg)
         node.meta[FXAMP_META] = decision
         env[node] = decision.val
         if decision.restore_output is not None:
             with fake_mode:
                 env[node] = decision.val.to(decision.restore_output)
-    return changed
+    return changed, None
+
+
+def _fetch(gm: fx.GraphModule, node: fx.Node) -> Any:
+    return operator.attrgetter(node.target)(gm)
+
+
+def _node_decision(node, vals, config, fake_mode, user_autocast) -> tuple[OpDecision, int]:
+    spec = hop_spec(node.target)
+    if spec is not None:
+        return _hop_decision(node, vals, spec, config, fake_mode, user_autocast.active)
+    if user_autocast.active:
+        decision = OpDecision(CastPolicy.KEEP, "inside the user's torch.autocast region",
+                              tuple(_dtype(v) for v in vals), {})
+    else:
+        decision = _decide(node, vals, config)
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    inputs_changed = any(isinstance(x, fx.Node) and v is not x.meta.get("val")
+                         for x, v in zip(leaves, vals))
+    if decision.arg_casts or decision.set_dtype_kwarg or decision.restore_output \
+            or inputs_changed:
+        try:
+            decision.val = _run(node, vals, decision, fake_mode)
+        except Exception as e:
+            raise FxampError(f"annotate: {node.format_node()}") from e
+    else:
+        decision.val = node.meta.get("val")
+    return decision, 0
+
+
+def _hop_decision(node, vals, spec, config, fake_mode, in_user_autocast):
+    # Note [Higher-order ops keep their bodies] in hops.py: the op itself is kept; its forward
+    # bodies are annotated with the values the op is called with.
+    args = pytree.tree_unflatten(vals, pytree.tree_flatten((node.args, node.kwargs))[1])[0]
+    inputs = body_inputs(args)
+    changed, outputs = 0, None
+    for i in spec.policy_bodies:
+        body_changed, body_out = _annotate_graph(args[i], config, fake_mode, inputs,
+                                                 in_user_autocast)
+        changed += body_changed
+        outputs = body_out if outputs is None else outputs
+    decision = OpDecision(CastPolicy.KEEP, "higher-order op: its forward body follows the policy",
+                          tuple(_dtype(v) for v in vals), {})
+    decision.val = spec.output(outputs, args)
+    return decision, changed

@@ -15,7 +15,10 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
+from torch.utils import _pytree as pytree
+
+from fxamp.passes.hops import HopSpec, body_inputs, hop_spec
 
 __all__ = ["to_aten", "fake_inputs"]
 
@@ -33,11 +36,68 @@ def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode) ->
     return fakes
 
 
+class _Lower(fx.Interpreter):
+    """Runs a Dynamo graph for make_fx; the higher-order ops in `HOPS` stay one node each."""
+
+    def call_function(self, target, args, kwargs):
+        spec = hop_spec(target)
+        if spec is None:
+            return super().call_function(target, args, kwargs)
+        return _trace_hop(target, spec, args, kwargs)
+
+
+def _trace_hop(target, spec: HopSpec, args: tuple, kwargs: dict) -> Any:
+    # Note [Higher-order ops keep their bodies] in hops.py. Emitted the way torch's own
+    # pre-dispatch rules for higher-order ops do it: policy bodies are re-traced to ATen inside
+    # the make_fx session in progress, registered on its root, and the op becomes one node.
+    from torch._higher_order_ops.utils import reenter_make_fx
+    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+
+    tracer = get_proxy_mode().tracer
+    inputs = body_inputs(args)
+    args = tuple(_retrace_body(a, inputs, reenter_make_fx) if i in spec.policy_bodies else a
+                 for i, a in enumerate(args))
+    first = args[spec.policy_bodies[0]] if spec.policy_bodies else None
+    out = spec.output(output_vals(first) if first else None, args)
+    for a in args:
+        if isinstance(a, fx.GraphModule):
+            tracer.root.register_module(tracer.get_fresh_qualname("fxamp_body"), a)
+    proxy_args, proxy_kwargs = pytree.tree_map(tracer.unwrap_proxy, (args, kwargs))
+    proxy = tracer.create_proxy("call_function", target, proxy_args, proxy_kwargs)
+    return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
+
+
+def _retrace_body(body: fx.GraphModule, inputs: list[Any], reenter_make_fx) -> fx.GraphModule:
+    outer = get_proxy_mode().tracer.graph
+    before = set(outer.nodes)
+    with fx_traceback.preserve_node_meta():  # make_fx's subgraph tracing does not keep it on
+        aten_body = reenter_make_fx(fx.Interpreter(body).run)(*inputs)
+    # The grad-mode switches inside the body are recorded in the body and, through the
+    # enclosing trace's torch-function mode, once more around the node: drop the copies.
+    for node in [n for n in outer.nodes if n not in before]:
+        if node.target is torch._C._set_grad_enabled and not node.users:
+            outer.erase_node(node)
+    # Selective checkpointing keeps its policy on the body (Dynamo puts it there).
+    aten_body.meta.update({k: v for k, v in body.meta.items() if k not in aten_body.meta})
+    return aten_body
+
+
+def output_vals(gm: fx.GraphModule) -> Any:
+    """The fake values `gm` returns, as its output node's `meta['val']`s."""
+    output = gm.graph.output_node()
+    return pytree.tree_map(lambda n: n.meta.get("val") if isinstance(n, fx.Node) else n,
+                           output.args[0])
+
+
 def to_aten(gm: fx.GraphModule, fakes: Sequence[Any], fake_mode) -> fx.GraphModule:
-    """Re-trace `gm` to ATen with `pre_dispatch=True` under `fake_mode`, keeping node metadata."""
+    """Re-trace `gm` to ATen with `pre_dispatch=True` under `fake_mode`, keeping node metadata.
+
+    The higher-order ops in `fxamp.passes.hops.HOPS` stay nodes, with their forward bodies
+    re-traced to ATen (Note [Higher-order ops keep their bodies]).
+    """
 
     def run(*args):
-        return fx.Interpreter(gm).run(*args)
+        return _Lower(gm).run(*args)
 
     with fx_traceback.preserve_node_meta(), fake_mode:
         aten_gm = make_fx(run, pre_dispatch=True)(*fakes)

@@ -1,9 +1,9 @@
 """Tiny models, data and a training loop shared by the optimizer tests (imported by name:
 pytest puts this directory on sys.path).
 
-Inductor compiles each step structure once per process (10-40 s cold on a 2-core CPU), and
-every optimizer of that structure reuses it; most tests run the same step functions eagerly
-(`compile=False`, milliseconds) and a few go through the compiler.
+Each compiled optimizer compiles its own step (10-40 s cold on a 2-core CPU; one of the same
+structure and sizes takes the kernels from Inductor's cache); most tests run the same step
+functions eagerly (`compile=False`, milliseconds) and a few go through the compiler.
 """
 
 import torch

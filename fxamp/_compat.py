@@ -1,0 +1,201 @@
+"""Every private torch API fxamp uses, in one place, gated by torch version where they differ.
+
+fxamp supports torch 2.11 to 2.14 (pyproject.toml). Whatever fxamp needs from torch that is not
+public API (`torch._dynamo`, `torch._inductor`, `torch._functorch`, `torch._subclasses`,
+`torch._guards`, `torch.utils._pytree`, private attributes of modules and of DDP, the metadata
+keys AOTAutograd writes on nodes, Dynamo's caching behaviour) is reached through this module,
+so that a torch release that moves one of them is fixed here and nowhere else.
+
+Each entry says which torch versions it was checked on. "2.11.0, 2.13.0, 2.14.1" means the
+same spelling works on all three (the CI legs, .ci/run); a version-gated entry names the
+versions each branch was checked on.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable, Optional
+
+import torch
+import torch.fx as fx
+
+# Checked on 2.11.0, 2.13.0, 2.14.1 (all imports below: same module paths on all three).
+import torch._dynamo.exc as _dynamo_exc
+import torch.utils._pytree as pytree  # noqa: F401  (re-exported: tree_map, tree_leaves, ...)
+from torch._dynamo.utils import counters as dynamo_counters  # noqa: F401
+from torch._functorch.aot_autograd import make_boxed_func  # noqa: F401
+from torch._guards import detect_fake_mode  # noqa: F401
+from torch._ops import OpOverload  # noqa: F401
+from torch._subclasses import FakeTensor, FakeTensorMode  # noqa: F401
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
+
+__all__ = [
+    "TORCH_VERSION", "pytree", "dynamo_counters", "make_boxed_func", "detect_fake_mode",
+    "OpOverload", "FakeTensor", "FakeTensorMode", "make_fx", "BackendCompilerFailed",
+    "Unsupported", "compile_fx", "list_mode_options", "inductor_config_keys", "aot_eager", "aot_autograd",
+    "compile_fresh", "ENTER_AUTOCAST", "EXIT_AUTOCAST", "NORM_MODULE_TYPES", "call_impl",
+    "set_compiled_call", "COMPILED_CALL_ATTR", "own_tensors", "rename_node", "SEQ_NR",
+    "FWD_NN_MODULE_STACK", "PARTITIONER_TAG", "EXAMPLE_VALUE", "from_node_names",
+    "active_ddp_module", "ddp_bucket_dtypes", "functional_all_reduce", "foreach_add_",
+    "foreach_copy_",
+]
+
+TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
+
+# ------------------------------------------------------------------ Dynamo and the compilers
+# Checked on 2.11.0, 2.13.0, 2.14.1.
+BackendCompilerFailed = _dynamo_exc.BackendCompilerFailed
+Unsupported = _dynamo_exc.Unsupported
+
+
+def compile_fx(gm: fx.GraphModule, example_inputs: Any, *, config_patches: Optional[dict] = None):
+    """Inductor's compiler entry point (what `torch.compile(backend="inductor")` calls).
+
+    Imported when first used: Inductor takes seconds to import. Checked on 2.11.0, 2.13.0,
+    2.14.1.
+    """
+    from torch._inductor.compile_fx import compile_fx as inductor_compile_fx
+
+    return inductor_compile_fx(gm, example_inputs, config_patches=config_patches)
+
+
+def list_mode_options(mode: str) -> dict[str, Any]:
+    """Inductor's config patches for a `torch.compile(mode=...)`. Checked on 2.11.0, 2.13.0,
+    2.14.1."""
+    from torch._inductor import list_mode_options as inductor_mode_options
+
+    return inductor_mode_options(mode)
+
+
+def inductor_config_keys() -> frozenset[str]:
+    """The names `torch.compile(options=...)` accepts (Inductor's config, dotted names
+    included). Checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._inductor import config as inductor_config
+
+    return frozenset(inductor_config.get_config_copy())
+
+
+def aot_eager(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):
+    """Dynamo's "aot_eager" backend (AOTAutograd, no Inductor); takes fw_/bw_compiler.
+    Checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._dynamo.backends.debugging import aot_eager as dynamo_aot_eager
+
+    return dynamo_aot_eager(gm, example_inputs, **kwargs)
+
+
+def aot_autograd(**kwargs: Any) -> Callable:
+    """A Dynamo backend running AOTAutograd with the given fw_/bw_compiler. Checked on 2.11.0,
+    2.13.0, 2.14.1."""
+    from torch._dynamo.backends.common import aot_autograd as dynamo_aot_autograd
+
+    return dynamo_aot_autograd(**kwargs)
+
+
+def compile_fresh(fn: Callable, **compile_kwargs: Any) -> Callable:
+    """`torch.compile(fn, **compile_kwargs)` with a Dynamo cache of its own.
+
+    Dynamo keeps its compiled entries, and counts them against its recompile limit (8 by
+    default), per code object, and closures or repeated `torch.compile` calls of one function
+    share its code object. A copy of the code object (equal, not identical) starts an empty
+    cache that dies with the returned function. Checked on 2.11.0, 2.13.0, 2.14.1
+    (tests/test_compat.py: twelve copies each take a graph of their own, one function taking
+    the same twelve graphs hits the limit). See Note [One compiled step per optimizer] in
+    fxamp/optim/fused_step.py.
+    """
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
+    return torch.compile(copy, **compile_kwargs)
+
+
+# -------------------------------------------------------------------- modules and autocast
+# The targets pre-dispatch tracing records for `with torch.autocast(...)` regions.
+# Checked on 2.11.0, 2.13.0, 2.14.1.
+ENTER_AUTOCAST = torch.amp.autocast_mode._enter_autocast
+EXIT_AUTOCAST = torch.amp.autocast_mode._exit_autocast
+
+# Base classes of BatchNorm1d/2d/3d (and SyncBatchNorm) and InstanceNorm1d/2d/3d.
+# Checked on 2.11.0, 2.13.0, 2.14.1.
+NORM_MODULE_TYPES = (torch.nn.modules.batchnorm._BatchNorm,
+                     torch.nn.modules.instancenorm._InstanceNorm)
+
+# The slot `nn.Module.compile` fills and `nn.Module.__call__` runs instead of `_call_impl`
+# (hooks included). Checked on 2.11.0, 2.13.0, 2.14.1.
+COMPILED_CALL_ATTR = "_compiled_call_impl"
+
+
+def call_impl(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """`module(*args, **kwargs)` with its hooks but without its compiled call (which would call
+    back into the caller). Checked on 2.11.0, 2.13.0, 2.14.1."""
+    return module._call_impl(*args, **kwargs)
+
+
+def set_compiled_call(module: torch.nn.Module, fn: Callable) -> None:
+    """Make `module(...)` run `fn`, as `module.compile()` makes it run its compiled forward.
+    Checked on 2.11.0, 2.13.0, 2.14.1."""
+    setattr(module, COMPILED_CALL_ATTR, fn)
+
+
+def own_tensors(module: torch.nn.Module) -> list[Optional[torch.Tensor]]:
+    """The module's own (not its children's) parameters and buffers, None entries included.
+    Checked on 2.11.0, 2.13.0, 2.14.1."""
+    return list(module._parameters.values()) + list(module._buffers.values())
+
+
+def rename_node(node: fx.Node, candidate: str) -> str:
+    """Rename a placeholder to `candidate` (made unique in its graph); returns the new name.
+    Checked on 2.11.0, 2.13.0, 2.14.1."""
+    return node._rename(candidate) or node.name
+
+
+# ------------------------------------------------------------------------ node metadata keys
+# What AOTAutograd and the partitioner write on the nodes they derive: the autograd sequence
+# number shared by a forward node and the backward nodes derived from it, the forward's module
+# stack copied onto backward nodes, and the forward/backward tag. Checked on 2.11.0, 2.13.0,
+# 2.14.1.
+SEQ_NR = "seq_nr"
+FWD_NN_MODULE_STACK = "fwd_nn_module_stack"
+PARTITIONER_TAG = "partitioner_tag"
+# The fake value Dynamo records on its graph's placeholders. Checked on 2.11.0, 2.13.0, 2.14.1.
+EXAMPLE_VALUE = "example_value"
+
+
+def from_node_names(node: fx.Node) -> list[str]:
+    """Names of the nodes `node` was traced from (`meta["from_node"]`).
+
+    A list of `NodeSource` objects with a `.name` on 2.11.0, 2.13.0, 2.14.1.
+    """
+    return [source.name for source in node.meta.get("from_node") or ()]
+
+
+# ------------------------------------------------------------------------------ distributed
+def active_ddp_module() -> Optional[torch.nn.Module]:
+    """The DistributedDataParallel whose forward Dynamo is tracing now, if any.
+    Checked on 2.11.0, 2.13.0, 2.14.1."""
+    ddp_type = torch.nn.parallel.DistributedDataParallel
+    getter = getattr(ddp_type, "_get_active_ddp_module", None)
+    return None if getter is None else getter()
+
+
+def ddp_bucket_dtypes(ddp: torch.nn.Module) -> Optional[set[torch.dtype]]:
+    """The dtypes DDP's reducer reduces gradients in (None before it has buckets).
+    Checked on 2.11.0, 2.13.0, 2.14.1."""
+    reducer = getattr(ddp, "reducer", None)
+    if reducer is None or not hasattr(reducer, "_get_zeros_like_grad_buckets"):
+        return None
+    return {b.buffer().dtype for b in reducer._get_zeros_like_grad_buckets()}
+
+
+def functional_all_reduce(tensor: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    """An all-reduce Dynamo traces into the graph (no host sync, no in-place collective).
+    Checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch.distributed._functional_collectives import all_reduce
+
+    return all_reduce(tensor, op, group)
+
+
+# ----------------------------------------------------------------------------- foreach ops
+# One kernel per list instead of one per tensor. Checked on 2.11.0, 2.13.0, 2.14.1.
+foreach_add_ = torch._foreach_add_
+foreach_copy_ = torch._foreach_copy_
