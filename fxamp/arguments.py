@@ -3,6 +3,7 @@ run before any of them changes a model: a refusal leaves everything as it was.""
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Callable, Optional
 
 import torch
@@ -70,7 +71,7 @@ def _check_options(options: Any) -> None:
     known = inductor_config_keys()
     unknown = sorted(str(k) for k in options if k not in known)
     if unknown:
-        close = sorted(k for k in known if any(u.split(".")[-1] in k for u in unknown))[:5]
+        close = [k for u in unknown for k in difflib.get_close_matches(u, known, n=2)]
         raise ConfigError(f"options {unknown} are not Inductor config settings (torch."
                           f"_inductor.config){'; did you mean ' + ', '.join(close) if close else ''}")
 

@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from fxamp._compat import BackendCompilerFailed, Unsupported, set_compiled_call
+from fxamp._compat import BackendCompilerFailed, Unsupported, UserError
 from fxamp.cast_model import CastRecord, storage_dtype
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError, FxampError
@@ -28,7 +28,7 @@ from fxamp.errors import ConfigError, FxampError
 __all__ = ["CompiledCall"]
 
 # Failures of compilation itself (the user's model did not fail): retrying can fix them.
-_COMPILE_FAILURES = (BackendCompilerFailed, Unsupported, FxampError, ConfigError)
+_COMPILE_FAILURES = (BackendCompilerFailed, Unsupported, UserError, FxampError, ConfigError)
 _RESTORED = ("fxamp restored the model as it was before fxamp.compile (weights, dtypes, "
              "forward); fix the cause and call fxamp.compile on it again")
 
@@ -52,14 +52,21 @@ class CompiledCall:
             self._record.release()
         return out
 
-    def _fail(self, error: Exception) -> None:
+    def check_storage(self) -> None:
+        """Refuse a model whose weights were cast after fxamp.compile (the backend calls this
+        whenever Dynamo compiles, which it does when a parameter's dtype changes)."""
         recast = _recast_tensors(self._model, self._config)
         if recast:
             raise ConfigError(
                 f"{recast} of {type(self._model).__name__} changed dtype after fxamp.compile "
                 f"stored it for {self._config.opt_level} (model.float(), .half(), .to(dtype)); "
-                "cast the model before fxamp.compile, or rebuild it and compile it again"
-            ) from error
+                "cast the model before fxamp.compile, or rebuild it and compile it again")
+
+    def _fail(self, error: Exception) -> None:
+        try:
+            self.check_storage()  # Dynamo may fail on a recast model before the backend runs
+        except ConfigError as recast:
+            raise recast from error
         if self._unprepare is not None and isinstance(error, _COMPILE_FAILURES):
             self._unprepare()
             self._unprepare = None
@@ -74,8 +81,9 @@ def _recast_tensors(model: torch.nn.Module, config: AmpConfig) -> Optional[str]:
         dtype = storage_dtype(name, module, config)
         if dtype is None:
             continue
-        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        for key, t in tensors:
+        # Parameters only: a cast of the model casts them all, while a buffer that forward
+        # reassigns may legitimately change dtype.
+        for key, t in module.named_parameters(recurse=False):
             if t is not None and t.is_floating_point() and t.dtype not in (dtype, torch.float64):
                 where = f"{name}.{key}" if name else key
                 return f"{where!r} (now {t.dtype}, stored as {dtype})"

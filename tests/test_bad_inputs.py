@@ -283,9 +283,11 @@ CASES = [
 
 
 def _case_params():
+    params = []
     for case in CASES:
         name, action, fragments, *kind = case
-        yield pytest.param(action, fragments, kind[0] if kind else "trained", id=name)
+        params.append(pytest.param(action, fragments, kind[0] if kind else "trained", id=name))
+    return params
 
 
 def test_the_catalogue_is_large():
@@ -303,3 +305,15 @@ def test_bad_input_is_refused_and_changes_nothing(action, fragments, kind):
     for fragment in fragments:
         assert fragment in str(error), f"{fragment!r} not in: {error}"
     assert snapshot(w) == before
+
+
+def test_cli_module_override_naming_no_module(capsys):
+    from fxamp.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["explain", "examples.models:mlp", "--opt-level", "O2",
+              "--module-override", "nosuchmodule=fp32"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert "module_overrides key 'nosuchmodule' names no module of MLP" in err
+    assert "named_modules() paths" in err and "fc1" in err
