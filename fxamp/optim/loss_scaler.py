@@ -109,7 +109,7 @@ class LossScaler:
         """
         _check_loss(loss)
         scaled = loss.float() * self.state_tensors(loss.device)[0]
-        self.scaled_graphs.record(scaled)
+        self.scaled_graphs.watch(scaled)
         return scaled
 
     @property

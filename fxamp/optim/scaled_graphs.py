@@ -4,8 +4,10 @@
 `scaler.scale(loss).backward(); opt.step()` (the scaler forgotten) would apply an update
 `scale` times too large (65536x by default) with no word. The scaler cannot know which
 optimizer its loss will reach, and the step cannot read the gradients without a host sync. So
-`LossScaler.scale` records the root of each scaled autograd graph (a Python list append), and a
-step that takes the scaler (or `zero_grad`) marks it done for that optimizer. Only a step that
+`LossScaler.scale` puts a hook on the scaled loss; when a backward starts from it, the hook
+records the root of its autograd graph (one Python call per backward; a scaled loss that is
+never backpropagated is never held, so an evaluation loop cannot pile up graphs). A step that
+takes the scaler (or `zero_grad`) marks the recorded graphs done for that optimizer. Only a step that
 finds no scaler at all looks at the scalers with unfinished graphs (a weak set: a scaler nobody
 holds drops out) and walks their graphs to the parameters they reach; if they reach its own, it
 refuses. The walk happens on that path only; the usual loop adds no work beyond the append.
@@ -35,13 +37,18 @@ class ScaledGraphs:
         self.done: "weakref.WeakSet[Any]" = weakref.WeakSet()  # optimizers that took the scale
         self._reached: Optional[frozenset[int]] = None
 
-    def record(self, scaled: torch.Tensor) -> None:
-        if scaled.grad_fn is None:
-            return  # nothing to backpropagate (an evaluation loss)
+    def watch(self, scaled: torch.Tensor) -> None:
+        """Record `scaled`'s graph when (if ever) a backward starts from it."""
+        if scaled.grad_fn is None or torch.compiler.is_compiling():
+            return  # nothing to backpropagate (an evaluation loss), or traced into a graph
+        root = scaled.grad_fn  # alive as long as `scaled` is: the hook adds no lifetime
+        scaled.register_hook(lambda grad: self._record(root))
+
+    def _record(self, root: Any) -> None:
         if len(self.done):  # a new iteration: the last one's graphs were stepped
             self.roots, self._reached = [], None
             self.done = weakref.WeakSet()
-        self.roots.append(scaled.grad_fn)
+        self.roots.append(root)
         self._reached = None
         _AWAITING.add(self._scaler())
 

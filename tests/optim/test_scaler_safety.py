@@ -131,6 +131,16 @@ def test_steps_without_a_scaler_that_are_right_are_not_refused():
     opt_scaled.step()
 
 
+def test_a_scaled_loss_that_is_never_backpropagated_is_not_held():
+    model = make_mlp()
+    scaler = fo.LossScaler(compile=False)
+    for step in range(3):
+        scaler.scale(loss_of(model, step))  # an evaluation loss, with grad enabled
+    assert scaler.scaled_graphs.roots == []
+    _scaled_backward(model, scaler)
+    assert len(scaler.scaled_graphs.roots) == 1
+
+
 def test_forgotten_scaler_update_would_have_been_scale_times_too_large():
     # What the refusal prevents: the same SGD step with gradients 2**16 too large.
     model = make_mlp()
