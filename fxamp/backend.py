@@ -13,7 +13,7 @@ from torch._guards import detect_fake_mode
 from fxamp._compat import set_compiled_call
 from fxamp.arguments import check_compile_flags, check_compiler, entry_config
 from fxamp.cast_model import CastRecord, boundary_forward, cast_model
-from fxamp.compiled_call import CompiledCall
+from fxamp.compiled_call import CompiledCall, check_storage
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.passes import PassStats, run_passes
@@ -84,9 +84,9 @@ class FxampBackend:
                      mode, tuple(sorted((options or {}).items())))
         self._inner = _inner_compiler(compiler, mode, options)
         self.compiled_graphs: list[CompiledGraph] = []
-        # Set by compile_module: refuses a model whose weights were cast after fxamp.compile
-        # (Dynamo recompiles when a parameter's dtype changes, so this runs then).
-        self.check_model: Optional[Callable[[], None]] = None
+        # The model fxamp.compile prepared (set by compile_module): each compile checks that
+        # its weights were not cast since (Dynamo recompiles when a parameter's dtype changes).
+        self.model: Optional[torch.nn.Module] = None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FxampBackend) and other._key == self._key
@@ -102,8 +102,8 @@ class FxampBackend:
         if not config.is_resolved:
             config = config.resolve(config.device_type or _device_type(example_inputs))
         _check_active_ddp()
-        if self.check_model is not None:
-            self.check_model()
+        if self.model is not None:
+            check_storage(self.model, config)
         fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
         aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
         stats = run_passes(aten_gm, config, fake_mode)
@@ -230,10 +230,9 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
         set_compiled_call(model, None)
         delattr(model, _BACKEND_ATTR)
 
-    call = CompiledCall(model, compiled, fxamp_backend.config,
-                        None if record is None else unprepare, record)
-    fxamp_backend.check_model = call.check_storage
-    set_compiled_call(model, call)
+    fxamp_backend.model = model
+    set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
+                                          None if record is None else unprepare, record))
     setattr(model, _BACKEND_ATTR, fxamp_backend)
 
 

@@ -25,7 +25,7 @@ from fxamp.cast_model import CastRecord, storage_dtype
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError, FxampError
 
-__all__ = ["CompiledCall"]
+__all__ = ["CompiledCall", "check_storage"]
 
 # Failures of compilation itself (the user's model did not fail): retrying can fix them.
 _COMPILE_FAILURES = (BackendCompilerFailed, Unsupported, UserError, FxampError, ConfigError)
@@ -52,20 +52,10 @@ class CompiledCall:
             self._record.release()
         return out
 
-    def check_storage(self) -> None:
-        """Refuse a model whose weights were cast after fxamp.compile (the backend calls this
-        whenever Dynamo compiles, which it does when a parameter's dtype changes)."""
-        recast = _recast_tensors(self._model, self._config)
-        if recast:
-            raise ConfigError(
-                f"{recast} of {type(self._model).__name__} changed dtype after fxamp.compile "
-                f"stored it for {self._config.opt_level} (model.float(), .half(), .to(dtype)); "
-                "cast the model before fxamp.compile, or rebuild it and compile it again")
-
     def _fail(self, error: Exception) -> None:
         try:
-            self.check_storage()  # Dynamo may fail on a recast model before the backend runs
-        except ConfigError as recast:
+            check_storage(self._model, self._config)  # Dynamo may fail on a recast model
+        except ConfigError as recast:                 # before the backend runs
             raise recast from error
         if self._unprepare is not None and isinstance(error, _COMPILE_FAILURES):
             self._unprepare()
@@ -74,6 +64,17 @@ class CompiledCall:
         inner = getattr(error, "inner_exception", None)
         if isinstance(inner, (FxampError, ConfigError)):
             raise inner from None  # fxamp's own message, not Dynamo's wrapper around it
+
+
+def check_storage(model: torch.nn.Module, config: AmpConfig) -> None:
+    """Refuse a model whose weights were cast after fxamp.compile (the backend calls this
+    whenever Dynamo compiles, which it does when a parameter's dtype changes)."""
+    recast = _recast_tensors(model, config)
+    if recast:
+        raise ConfigError(
+            f"{recast} of {type(model).__name__} changed dtype after fxamp.compile stored it "
+            f"for {config.opt_level} (model.float(), .half(), .to(dtype)); cast the model "
+            "before fxamp.compile, or rebuild it and compile it again")
 
 
 def _recast_tensors(model: torch.nn.Module, config: AmpConfig) -> Optional[str]:

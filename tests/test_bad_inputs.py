@@ -41,6 +41,10 @@ class World:
             self.model.float()
         if kind == "moved":
             self.model.to(torch.bfloat16)
+        if kind == "adagrad":  # a torch optimizer initialize would wrap, already stepped
+            self.adagrad = torch.optim.Adagrad(self.extra.parameters())
+            self.extra(torch.randn(3, 2)).sum().backward()
+            self.adagrad.step()
 
     def backward(self):
         self.scaler.scale(self.model(self.x).float().square().mean()).backward()
@@ -69,7 +73,7 @@ def _opt_state(opt):
 
 def _scaler_state(scaler):
     tensors = [] if scaler._state is None else [_bytes(t) for t in scaler._state]
-    return tensors, scaler._init, scaler.rule, len(scaler.scaled_graphs.roots)
+    return tensors, scaler._init, scaler.rule, scaler.scaled_graphs.roots[:]
 
 
 def snapshot(w):
@@ -186,6 +190,9 @@ CASES = [
     ("initialize_empty_optimizer", lambda w: fo.initialize(
         w.model, torch.optim.AdamW([{"params": []}]), opt_level="O2", compiler="aot_eager"),
      ["optimizers[0] (AdamW) has no parameters"]),
+    ("initialize_stepped_wrapped_optimizer", lambda w: fo.initialize(
+        [w.model, w.extra], w.adagrad, opt_level="O2", compiler="aot_eager"),
+     ["optimizers[0]: wrap the Adagrad before its first step"], "adagrad"),
     ("locate_overflow_tensor_batch", lambda w: locate_overflow(
         w.model, w.x, lambda out, y: F.mse_loss(out, y)),
      ["Tensor of shape (6, 4)", "pass (x, y)"]),

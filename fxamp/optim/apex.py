@@ -15,6 +15,7 @@ from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.optim import optimizers
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
+from fxamp.optim.fp16_optimizer import _check_inner as check_wrappable
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.optimizer import FusedOptimizer
 
@@ -109,22 +110,31 @@ def _check_optimizers(opts: list) -> None:
     seen: dict[int, int] = {}
     owner: dict[int, int] = {}  # parameter id -> optimizer index
     for i, opt in enumerate(opts):
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch "
-                              "optimizer (pass bare optimizers, not FP16_Optimizer)")
-        if id(opt) in seen:
-            raise ConfigError(f"optimizers[{seen[id(opt)]}] and optimizers[{i}] are the same "
-                              f"{type(opt).__name__}: an optimizer passed twice would be "
-                              "converted twice; pass each optimizer once")
-        seen[id(opt)] = i
-        if not any(group["params"] for group in opt.param_groups):
-            raise ConfigError(f"optimizers[{i}] ({type(opt).__name__}) has no parameters")
+        _check_optimizer(i, opt, seen)
         for group in opt.param_groups:
             for p in group["params"]:
                 if owner.setdefault(id(p), i) != i:
                     raise ConfigError(f"a parameter of shape {tuple(p.shape)} is in both "
                                       f"optimizers[{owner[id(p)]}] and optimizers[{i}]; each "
                                       "parameter can live in one flat buffer only")
+
+
+def _check_optimizer(i: int, opt: Any, seen: dict[int, int]) -> None:
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch "
+                          "optimizer (pass bare optimizers, not FP16_Optimizer)")
+    if id(opt) in seen:
+        raise ConfigError(f"optimizers[{seen[id(opt)]}] and optimizers[{i}] are the same "
+                          f"{type(opt).__name__}: an optimizer passed twice would be "
+                          "converted twice; pass each optimizer once")
+    seen[id(opt)] = i
+    if not any(group["params"] for group in opt.param_groups):
+        raise ConfigError(f"optimizers[{i}] ({type(opt).__name__}) has no parameters")
+    if _native_class(opt) is None:  # it will be wrapped: refuse now what the wrapper would
+        try:
+            check_wrappable(opt)
+        except ConfigError as e:
+            raise ConfigError(f"optimizers[{i}]: {e}") from None
 
 
 _NATIVE = {torch.optim.AdamW: optimizers.AdamW, torch.optim.Adam: optimizers.Adam,
