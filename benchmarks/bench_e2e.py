@@ -6,12 +6,15 @@ compiles each of these recipes in one process, then times them taking turns:
   compile      the same with the model under torch.compile (Inductor)
   fxamp-O1     fxamp.compile(opt_level="O1") + fxamp.optim.AdamW + LossScaler("dynamic")
   fxamp-O2     fxamp.compile(opt_level="O2") + fxamp.optim.AdamW (fp32 masters) + LossScaler
-and prints per recipe the median training-step time, the peak memory of a step, the compile
-time (first step minus a steady step), and fxamp's ratios to both baselines.
+and prints per recipe the median training-step time, the throughput (tokens/s, images/s; for
+GPT-2 also the model FLOPs utilisation), the peak memory of a step, the compile time (first step
+minus a steady step) and where it went (benchmarks/compile_breakdown.py), and fxamp's ratios to
+both baselines.
 
     python -m benchmarks.bench_e2e                    # CPU: small sizes, bf16, a few minutes
     python -m benchmarks.bench_e2e --size tiny        # smoke test
     python -m benchmarks.bench_e2e --device cuda      # on a GPU: fp16, GPT-2 small / ResNet-50
+    python -m benchmarks.gpu_report --out DIR         # the whole GPU proof (fp16 and bf16)
 
 Peak memory: what stays allocated between steps (parameters and buffers, gradients, optimizer
 state, fp32 masters: the storages behind them, counted once) plus the highest point one step
@@ -55,95 +58,91 @@ import transformers
 
 import fxamp
 import fxamp.optim
+from benchmarks import compile_breakdown, gpu_lock
+from benchmarks.e2e_tables import BASELINES, absolute_rows, breakdown_rows, plot, ratio_rows
+from benchmarks.workloads import SIZES, WORKLOADS, Workload, peak_flops
 
 RECIPES = ("eager", "compile", "fxamp-O1", "fxamp-O2")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-BASELINES = ("eager", "compile")
-# gpt2: (embd, layers, heads, seq, batch, vocab); resnet: (stem, widths, depths, block, image,
-# batch). "large" is GPT-2 small (124M) and ResNet-50, for a GPU.
-SIZES = {
-    "tiny": dict(gpt2=(32, 1, 2, 16, 2, 128), resnet=(8, [8, 16], [1, 1], "basic", 16, 2)),
-    "small": dict(gpt2=(64, 2, 2, 64, 4, 512), resnet=(16, [16, 32], [1, 1], "basic", 32, 8)),
-    "large": dict(gpt2=(768, 12, 12, 512, 8, 50257),
-                  resnet=(64, [256, 512, 1024, 2048], [3, 4, 6, 3], "bottleneck", 224, 64)),
-}
 
 
 @dataclasses.dataclass
 class Measurement:
     model: str
     recipe: str
-    step_ms: float
+    dtype: str
+    step_ms: Optional[float]  # None until timed
     peak_mb: float
-    compile_s: float
+    compile_s: Optional[float]
     first_step_s: float
-
-
-def gpt2(embd: int, layers: int, heads: int, seq: int, batch: int, vocab: int):
-    config = transformers.GPT2Config(n_embd=embd, n_layer=layers, n_head=heads, n_positions=seq,
-                                     vocab_size=vocab, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0, use_cache=False, bos_token_id=0,
-                                     eos_token_id=0)
-    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
-    return (lambda: transformers.GPT2LMHeadModel(config)), ids, ids.roll(-1, 1)
-
-
-def resnet(stem: int, widths: list[int], depths: list[int], layer_type: str, image: int,
-           batch: int):
-    config = transformers.ResNetConfig(embedding_size=stem, hidden_sizes=widths, depths=depths,
-                                       layer_type=layer_type,
-                                       num_labels=1000 if image >= 224 else 10)
-    gen = torch.Generator().manual_seed(0)
-    images = torch.randn(batch, 3, image, image, generator=gen)
-    labels = torch.randint(0, config.num_labels, (batch,), generator=gen)
-    return (lambda: transformers.ResNetForImageClassification(config)), images, labels
+    throughput: Optional[float] = None  # units per second
+    unit: str = ""
+    mfu: Optional[float] = None
+    breakdown: Optional[dict] = None
 
 
 def _loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    logits = output["logits"].float()  # ["logits"]: fxamp's O2 output cast returns a dict
+    # torchvision returns logits; transformers a ModelOutput (["logits"]: as a dict too)
+    logits = output if isinstance(output, torch.Tensor) else output["logits"]
+    logits = logits.float()
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
-Step = Callable[[torch.Tensor, torch.Tensor], None]
+@dataclasses.dataclass
+class Recipe:
+    """A built recipe; a training step is `forward_backward` then `optimizer_step`."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    forward_backward: Callable[[torch.Tensor, torch.Tensor], None]
+    optimizer_step: Callable[[], None]
+
+    def step(self, x: torch.Tensor, target: torch.Tensor) -> None:
+        self.forward_backward(x, target)
+        self.optimizer_step()
 
 
-def _torch_recipe(model, dtype, device, compiled: bool) -> tuple[Step, torch.optim.Optimizer]:
-    forward = torch.compile(model) if compiled else model
+def _torch_recipe(model, dtype, device, compiler: Optional[str]) -> Recipe:
+    forward = torch.compile(model, backend=compiler) if compiler else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     scaler = torch.amp.GradScaler(device.type)
 
-    def step(x, target):
+    def forward_backward(x, target):
         with torch.autocast(device.type, dtype=dtype):
             loss = _loss(forward(x), target)
         scaler.scale(loss).backward()
+
+    def optimizer_step():
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
-    return step, opt
+    return Recipe(model, opt, forward_backward, optimizer_step)
 
 
-def _fxamp_recipe(model, dtype, level: str) -> tuple[Step, torch.optim.Optimizer]:
-    model = fxamp.compile(model, opt_level=level, dtype=dtype)
+def _fxamp_recipe(model, dtype, level: str, compiler: str) -> Recipe:
+    model = fxamp.compile(model, opt_level=level, dtype=dtype, compiler=compiler)
     config = fxamp.config_of(model)
-    opt = fxamp.optim.AdamW(model.parameters(), lr=1e-4,
+    opt = fxamp.optim.AdamW(model.parameters(), lr=1e-4, compile=compiler == "inductor",
                             master_weights=bool(config.master_weights))
-    scaler = fxamp.optim.LossScaler(config.loss_scale)
+    scaler = fxamp.optim.LossScaler(config.loss_scale, compile=compiler == "inductor")
 
-    def step(x, target):
+    def forward_backward(x, target):
         scaler.scale(_loss(model(x), target)).backward()
+
+    def optimizer_step():
         opt.step(scaler)
         opt.zero_grad()
-    return step, opt
+    return Recipe(model, opt, forward_backward, optimizer_step)
 
 
-def build(recipe: str, make_model, dtype, device):
+def build(recipe: str, make_model, dtype, device, compiler: str = "inductor") -> Recipe:
+    """`compiler="aot_eager"` (the smoke test's) compiles nothing with Inductor, and runs
+    fxamp's optimizer step uncompiled."""
     torch.manual_seed(0)
     model = make_model().to(device).train()
     if recipe in BASELINES:
-        step, opt = _torch_recipe(model, dtype, device, compiled=recipe == "compile")
-    else:
-        step, opt = _fxamp_recipe(model, dtype, recipe.split("-")[1])
-    return model, step, opt
+        return _torch_recipe(model, dtype, device, compiler if recipe == "compile" else None)
+    return _fxamp_recipe(model, dtype, recipe.split("-")[1], compiler)
 
 
 def _sync(device: torch.device) -> None:
@@ -151,7 +150,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(step: Step, batch, device: torch.device) -> float:
+def _timed(step: Callable, batch, device: torch.device) -> float:
     _sync(device)
     start = time.perf_counter()
     step(*batch)
@@ -170,7 +169,7 @@ def persistent_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(storages.values())
 
 
-def transient_peak_bytes(step: Step, batch, device: torch.device) -> int:
+def transient_peak_bytes(step: Callable, batch, device: torch.device) -> int:
     """Highest point of the bytes one step allocates above what was live before it."""
     if device.type == "cuda":
         _sync(device)
@@ -195,24 +194,42 @@ def transient_peak_bytes(step: Step, batch, device: torch.device) -> int:
 @dataclasses.dataclass
 class Runner:
     recipe: str
-    step: Step
+    step: Callable
     first_step_s: float
     peak_bytes: int
+    first_parts: tuple  # what compile_breakdown.breakdown needs besides the compile time
 
 
-def prepare(recipe: str, make_model, batch, dtype, device, *, warmup: int,
-            cold: bool) -> Runner:
+def first_step(recipe: Recipe, batch, device: torch.device) -> tuple[float, tuple]:
+    """Time the first step, with compile-time snapshots between its model and optimizer parts
+    (benchmarks/compile_breakdown.py)."""
+    backend = fxamp.backend_of(recipe.model)
+    before = compile_breakdown.snapshot()
+    start = time.perf_counter()
+    recipe.forward_backward(*batch)
+    _sync(device)
+    after_model, middle = compile_breakdown.snapshot(), time.perf_counter()
+    recipe.optimizer_step()
+    _sync(device)
+    end = time.perf_counter()
+    fxamp_s = sum(g.trace_s + g.passes_s for g in backend.compiled_graphs) if backend else 0.0
+    return end - start, (before, after_model, fxamp_s, end - middle)
+
+
+def prepare(recipe: str, make_model, batch, dtype, device, *, warmup: int, cold: bool,
+            compiler: str = "inductor") -> Runner:
     """Build a recipe, time its first step (the compiles) in an empty Inductor cache, warm it
     up, and measure its peak memory: what stays allocated plus one step's transient peak."""
     from torch._inductor.utils import fresh_cache
 
     with fresh_cache() if cold else contextlib.nullcontext():
-        model, step, opt = build(recipe, make_model, dtype, device)
-        first = _timed(step, batch, device)
+        built = build(recipe, make_model, dtype, device, compiler)
+        first, parts = first_step(built, batch, device)
         for _ in range(warmup - 1):
-            step(*batch)
-    peak = persistent_bytes(model, opt) + transient_peak_bytes(step, batch, device)
-    return Runner(recipe, step, first, peak)
+            built.step(*batch)
+    peak = persistent_bytes(built.model, built.opt) + transient_peak_bytes(built.step, batch,
+                                                                           device)
+    return Runner(recipe, built.step, first, peak, parts)
 
 
 def interleaved_medians(runners: list[Runner], batch, device, steps: int) -> dict[str, float]:
@@ -225,64 +242,65 @@ def interleaved_medians(runners: list[Runner], batch, device, steps: int) -> dic
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def warm_up_compiler(device: torch.device) -> None:
+def warm_up_compiler(device: torch.device, compiler: str = "inductor") -> None:
     """Pay Inductor's once-per-process costs (imports, compile workers, compiler checks) on a
     throwaway graph, so that the first recipe measured is not charged for them."""
     from torch._inductor.utils import fresh_cache
 
     with fresh_cache():
         layer = torch.nn.Linear(8, 8).to(device)
-        torch.compile(layer)(torch.randn(4, 8, device=device)).sum().backward()
+        torch.compile(layer, backend=compiler)(torch.randn(4, 8, device=device)).sum().backward()
 
 
-def measure_model(name: str, make_model, batch, dtype, device, recipes, *, warmup: int,
-                  steps: int, cold: bool) -> list[Measurement]:
-    runners = []
-    for recipe in recipes:
-        runners.append(prepare(recipe, make_model, batch, dtype, device, warmup=warmup,
-                               cold=cold))
-        print(f"  {name:<7}{recipe:<10} first step {runners[-1].first_step_s:6.1f} s, peak "
-              f"{runners[-1].peak_bytes / 2**20:8.1f} MiB", flush=True)
-    medians = interleaved_medians(runners, batch, device, steps)
-    return [Measurement(name, r.recipe, medians[r.recipe] * 1e3, r.peak_bytes / 2**20,
-                        max(0.0, r.first_step_s - medians[r.recipe]), r.first_step_s)
-            for r in runners]
+def _measurement(name: str, dtype: str, r: Runner, work: Workload, step_s: Optional[float],
+                 peak: Optional[float]) -> Measurement:
+    m = Measurement(name, r.recipe, dtype, None, r.peak_bytes / 2**20, None, r.first_step_s,
+                    unit=f"{work.unit}/s")
+    if step_s is not None:
+        m.step_ms, m.compile_s = step_s * 1e3, max(0.0, r.first_step_s - step_s)
+        m.throughput = work.items / step_s
+        m.mfu = work.flops / step_s / peak if work.flops and peak else None
+        if r.recipe != "eager":
+            m.breakdown = dataclasses.asdict(compile_breakdown.breakdown(*r.first_parts,
+                                                                         m.compile_s))
+    return m
 
 
-def ratio_rows(results: list[Measurement]) -> list[str]:
-    """fxamp / baseline for each metric (below 1: fxamp is faster, smaller or compiles sooner)."""
-    rows = ["| model | fxamp | vs | step time | peak memory | compile time |",
-            "|---|---|---|---:|---:|---:|"]
-    by = {(r.model, r.recipe): r for r in results}
-    for (model, recipe), r in by.items():
-        if recipe in BASELINES:
-            continue
-        for base in BASELINES:
-            b = by[(model, base)]
-            compile_ratio = f"{r.compile_s / b.compile_s:.2f}x" if base == "compile" else "-"
-            rows.append(f"| {model} | {recipe} | {base} | {r.step_ms / b.step_ms:.2f}x | "
-                        f"{r.peak_mb / b.peak_mb:.2f}x | {compile_ratio} |")
-    return rows
+def measure_model(name: str, work: Workload, device, dtype_name: str, args, *,
+                  peak: Optional[float], report: Callable[[list[Measurement]], None],
+                  first: bool = False) -> list[Measurement]:
+    """Prepare every recipe (compiling, with the device shared), then time them taking turns
+    (with the device to this process: benchmarks/gpu_lock.py); `report` gets partial results.
+    The `first` model also pays Inductor's once-per-process start-up beforehand."""
+    batch, runners = (work.inputs.to(device), work.targets.to(device)), []
+    with gpu_lock.hold(args.lock, exclusive=False):
+        if first:
+            warm_up_compiler(device, args.compiler)
+        for recipe in args.recipes:
+            runners.append(prepare(recipe, work.make_model, batch, DTYPES[dtype_name], device,
+                                   warmup=args.warmup, cold=not args.warm,
+                                   compiler=args.compiler))
+            print(f"  {name:<7}{recipe:<10} first step {runners[-1].first_step_s:6.1f} s, peak "
+                  f"{runners[-1].peak_bytes / 2**20:8.1f} MiB", flush=True)
+            report([_measurement(name, dtype_name, r, work, None, None) for r in runners])
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # what other processes' turns may need
+    with gpu_lock.hold(args.lock, exclusive=True):
+        medians = interleaved_medians(runners, batch, device, args.steps)
+    return [_measurement(name, dtype_name, r, work, medians[r.recipe], peak) for r in runners]
 
 
-def absolute_rows(results: list[Measurement]) -> list[str]:
-    rows = ["| model | recipe | step (ms) | peak memory (MiB) | compile (s) | first step (s) |",
-            "|---|---|---:|---:|---:|---:|"]
-    rows += [f"| {r.model} | {r.recipe} | {r.step_ms:.1f} | {r.peak_mb:.1f} | {r.compile_s:.1f} "
-             f"| {r.first_step_s:.1f} |" for r in results]
-    return rows
-
-
-def environment(device: torch.device, dtype: torch.dtype, size: str,
-                threads: Optional[int]) -> str:
+def environment(device: torch.device, dtypes: list[str], size: str, threads: Optional[int],
+                peak: Optional[float]) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         name = f"{_cpu_name()}, {os.cpu_count()} cores, {threads or 'all'} thread(s) used"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    mfu = f" | MFU against {peak / 1e12:.0f} TFLOP/s dense 16-bit" if peak else ""
     return (f"{name} | torch {torch.__version__} | transformers {transformers.__version__} | "
-            f"{str(dtype).replace('torch.', '')} | size {size} | "
-            f"{datetime.date.today().isoformat()} | load average at start {load:.2f}")
+            f"{'+'.join(dtypes)} | size {size} | {datetime.date.today().isoformat()} | "
+            f"load average at start {load:.2f}{mfu}")
 
 
 def _cpu_name() -> str:
@@ -293,42 +311,13 @@ def _cpu_name() -> str:
         return platform.processor() or "CPU"
 
 
-def plot(results: list[Measurement], path: str, title: str) -> None:
-    """Each recipe's step time, peak memory and compile time relative to `compile`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    metrics = (("step_ms", "step time"), ("peak_mb", "peak memory"), ("compile_s", "compile"))
-    models = list(dict.fromkeys(r.model for r in results))
-    recipes = list(dict.fromkeys(r.recipe for r in results))
-    by = {(r.model, r.recipe): r for r in results}
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8), sharey=False)
-    width = 0.8 / len(recipes)
-    for ax, (field, label) in zip(axes, metrics):
-        for i, recipe in enumerate(recipes):
-            values = [getattr(by[(m, recipe)], field) / max(getattr(by[(m, "compile")], field),
-                                                             1e-9) for m in models]
-            ax.bar([k + i * width for k in range(len(models))], values, width, label=recipe)
-        ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xticks([k + 0.4 - width / 2 for k in range(len(models))], models)
-        ax.set_title(f"{label} / torch.compile+autocast")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", choices=["fp16", "bf16"],
+    parser.add_argument("--dtype", nargs="+", choices=list(DTYPES),
                         help="default: fp16 on CUDA, bf16 on CPU (each device's autocast default)")
     parser.add_argument("--size", choices=list(SIZES), help="default: large on CUDA, else small")
-    parser.add_argument("--models", nargs="+", default=["gpt2", "resnet"],
-                        choices=["gpt2", "resnet"])
+    parser.add_argument("--models", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     parser.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=50)
@@ -336,42 +325,59 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
                         help="intra-op threads; default 1 on CPU (Note [One thread on CPU])")
     parser.add_argument("--warm", action="store_true",
                         help="compile with Inductor's usual caches instead of empty ones")
+    parser.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager"],
+                        help="aot_eager: no Inductor anywhere (a smoke test of this script)")
+    parser.add_argument("--peak-tflops", type=float,
+                        help="the device's dense 16-bit peak for MFU (default: known GPUs)")
+    parser.add_argument("--lock", help="a lock file shared with other benchmark processes on "
+                                       "this GPU (benchmarks/gpu_lock.py)")
     parser.add_argument("--plot", help="save a PNG of the ratios here")
-    parser.add_argument("--json", help="save the measurements here")
+    parser.add_argument("--json", help="save the measurements here (rewritten as they come)")
     return parser.parse_args(argv)
+
+
+def _saver(path: Optional[str], env: str, done: list[Measurement]):
+    def save(partial: list[Measurement]) -> None:
+        if path:  # written whole and renamed, so a killed run leaves its last complete file
+            with open(path + ".tmp", "w") as f:
+                json.dump({"environment": env,
+                           "results": [dataclasses.asdict(r) for r in done + partial]},
+                          f, indent=1)
+            os.replace(path + ".tmp", path)
+    return save
 
 
 def main(argv: Optional[list[str]] = None) -> list[Measurement]:
     args = _parse(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    dtype = DTYPES[args.dtype or ("fp16" if cuda else "bf16")]
+    dtypes = args.dtype or ["fp16" if cuda else "bf16"]
     size = args.size or ("large" if cuda else "small")
     threads = args.threads or (None if cuda else 1)
     if threads:
         torch.set_num_threads(threads)
-    env = environment(device, dtype, size, threads)
+    peak = peak_flops(device, args.peak_tflops)
+    env = environment(device, dtypes, size, threads, peak)
     print(env, flush=True)
-    warm_up_compiler(device)
-    results = []
-    for name in args.models:
-        make_model, x, target = {"gpt2": gpt2, "resnet": resnet}[name](*SIZES[size][name])
-        results += measure_model(name, make_model, (x.to(device), target.to(device)), dtype,
-                                 device, args.recipes, warmup=args.warmup, steps=args.steps,
-                                 cold=not args.warm)
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+    results: list[Measurement] = []
+    save = _saver(args.json, env, results)
+    for dtype_name in dtypes:
+        for name in args.models:
+            work = WORKLOADS[name](*SIZES[size][name])
+            results += measure_model(name, work, device, dtype_name, args, peak=peak,
+                                     report=save, first=not results)
+            save([])
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
     print("\n" + "\n".join(absolute_rows(results)))
-    if set(BASELINES) <= set(args.recipes):
+    print("\nWhere the compile time went (seconds, share of the recipe's compile time):\n"
+          + "\n".join(breakdown_rows(results)))
+    if set(BASELINES) & set(args.recipes):
         print("\nfxamp / baseline (below 1 is better for fxamp):\n" + "\n".join(
             ratio_rows(results)))
     if args.plot and "compile" in args.recipes:  # the plot is relative to this baseline
         plot(results, args.plot, env)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "results": [dataclasses.asdict(r) for r in results]},
-                      f, indent=1)
     return results
 
 

@@ -28,16 +28,19 @@ from torch._guards import detect_fake_mode  # noqa: F401
 from torch._ops import OpOverload  # noqa: F401
 from torch._subclasses import FakeTensor, FakeTensorMode  # noqa: F401
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
 __all__ = [
     "TORCH_VERSION", "pytree", "dynamo_counters", "make_boxed_func", "detect_fake_mode",
-    "OpOverload", "FakeTensor", "FakeTensorMode", "make_fx", "BackendCompilerFailed",
-    "Unsupported", "UserError", "compile_fx", "list_mode_options", "inductor_config_keys", "aot_eager", "aot_autograd",
+    "OpOverload", "FakeTensor", "FakeTensorMode", "make_fx", "TorchDispatchMode",
+    "BackendCompilerFailed", "Unsupported", "UserError", "compile_fx", "list_mode_options",
+    "inductor_config_keys", "aot_eager", "aot_autograd",
     "compile_fresh", "ENTER_AUTOCAST", "EXIT_AUTOCAST", "NORM_MODULE_TYPES", "call_impl",
     "set_compiled_call", "COMPILED_CALL_ATTR", "own_tensors", "rename_node", "SEQ_NR",
     "FWD_NN_MODULE_STACK", "PARTITIONER_TAG", "EXAMPLE_VALUE", "from_node_names",
     "active_ddp_module", "ddp_bucket_dtypes", "functional_all_reduce", "foreach_add_",
-    "foreach_copy_",
+    "foreach_copy_", "HigherOrderOperator", "SET_GRAD_ENABLED", "make_fx_tracer",
+    "retrace_subgraph", "emit_call", "compile_time_metrics", "compile_cache_counters",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
@@ -200,3 +203,67 @@ def functional_all_reduce(tensor: torch.Tensor, op: str, group: Any) -> torch.Te
 # One kernel per list instead of one per tensor. Checked on 2.11.0, 2.13.0, 2.14.1.
 foreach_add_ = torch._foreach_add_
 foreach_copy_ = torch._foreach_copy_
+
+
+# ------------------------------------------------------------------------- higher-order ops
+# What fxamp needs to keep Dynamo's higher-order ops (autograd_function_apply,
+# tag_activation_checkpoint, register_hook) as nodes while it re-traces a graph to ATen; see
+# Note [Higher-order ops keep their bodies] in fxamp/passes/hops.py. The same spelling works
+# on 2.11.0, 2.13.0, 2.14.1 (2.11 has no register_hook op: Dynamo traces Tensor.register_hook
+# in forward as an autograd_function_apply there). Checked on 2.11.0, 2.13.0, 2.14.1.
+from torch._ops import HigherOrderOperator  # noqa: E402
+
+SET_GRAD_ENABLED = torch._C._set_grad_enabled
+
+
+def make_fx_tracer() -> Any:
+    """The tracer of the make_fx session in progress (pre-dispatch included)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode().tracer
+
+
+def retrace_subgraph(fn: Callable, *args: Any) -> fx.GraphModule:
+    """Trace `fn(*args)` into a graph of its own inside the make_fx session in progress, with
+    that session's settings (pre-dispatch, fake mode), as torch's own higher-order ops do."""
+    from torch._higher_order_ops.utils import reenter_make_fx
+
+    return reenter_make_fx(fn)(*args)
+
+
+def emit_call(target: Callable, args: tuple, kwargs: dict, outputs: Any) -> Any:
+    """Record `target(*args, **kwargs)` as one node of the make_fx session in progress, whose
+    value is `outputs` (fake tensors); GraphModule arguments become submodules of the traced
+    graph. How torch's own higher-order ops record themselves in pre-dispatch tracing."""
+    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+
+    tracer = make_fx_tracer()
+    for arg in args:
+        if isinstance(arg, fx.GraphModule):
+            tracer.root.register_module(tracer.get_fresh_qualname("fxamp_body"), arg)
+    proxy_args, proxy_kwargs = pytree.tree_map(tracer.unwrap_proxy, (args, kwargs))
+    proxy = tracer.create_proxy("call_function", target, proxy_args, proxy_kwargs)
+    return track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)
+
+
+# ------------------------------------------------------------------ compile-time accounting
+def compile_time_metrics() -> dict[str, list[float]]:
+    """Seconds per call of each function torch times while compiling (`dynamo_timed`), by name
+    (benchmarks/compile_breakdown.py). The names read there, `_compile.compile_inner`,
+    `OutputGraph.call_user_compiler`, `create_aot_dispatcher_function`,
+    `compile_fx.<locals>.bw_compiler` and `compile_fx_inner`, checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return compilation_time_metrics
+
+
+_CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+                   ("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_hit"),
+                   ("aot_autograd", "autograd_cache_miss"),
+                   ("aot_autograd", "autograd_cache_bypass"))
+
+
+def compile_cache_counters() -> dict[str, int]:
+    """Hits, misses and bypasses of Inductor's FX graph cache and AOTAutograd's cache so far in
+    this process. Checked on 2.11.0, 2.13.0, 2.14.1."""
+    return {name: dynamo_counters[group][name] for group, name in _CACHE_COUNTERS}

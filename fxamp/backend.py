@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 
-from fxamp._compat import set_compiled_call
+from fxamp import _compat
 from fxamp.arguments import check_compile_flags, check_compiler, entry_config
 from fxamp.cast_model import CastRecord, boundary_forward, cast_model
 from fxamp.compiled_call import CompiledCall, check_storage
@@ -31,11 +31,14 @@ _BACKEND_ATTR = "_fxamp_backend"
 
 @dataclasses.dataclass(frozen=True)
 class CompiledGraph:
-    """One graph the backend transformed: the ATen graph after the passes, and what they did."""
+    """One graph the backend transformed: the ATen graph after the passes, what they did, and
+    the seconds fxamp's own stages took (the re-trace to ATen, the passes)."""
 
     graph_module: fx.GraphModule
     stats: PassStats
     config: AmpConfig
+    trace_s: float = 0.0
+    passes_s: float = 0.0
 
 
 def _device_type(example_inputs: Sequence[Any]) -> str:
@@ -48,15 +51,10 @@ def _inner_compiler(compiler: Compiler, mode: Optional[str], options: Optional[d
     if callable(compiler):
         return compiler
     if compiler == "inductor":
-        from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx
-
-        patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
-        return lambda gm, inputs: compile_fx(gm, inputs, config_patches=patches or None)
+        patches = {**(_compat.list_mode_options(mode) if mode else {}), **(options or {})}
+        return lambda gm, inputs: _compat.compile_fx(gm, inputs, config_patches=patches or None)
     if compiler in ("aot_eager", "eager"):
-        from torch._dynamo.backends.debugging import aot_eager
-
-        return aot_eager
+        return _compat.aot_eager
     raise ConfigError(f"compiler={compiler!r} is not one of 'inductor', 'aot_eager' or a callable")
 
 
@@ -104,10 +102,13 @@ class FxampBackend:
         _check_active_ddp()
         if self.model is not None:
             check_storage(self.model, config)
-        fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode()
+        fake_mode = _compat.detect_fake_mode(example_inputs) or _compat.FakeTensorMode()
+        start = time.perf_counter()
         aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
+        traced = time.perf_counter()
         stats = run_passes(aten_gm, config, fake_mode)
-        self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config))
+        self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
+                                                  time.perf_counter() - traced))
         log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
         return self._inner(aten_gm, example_inputs)
 
@@ -115,8 +116,7 @@ class FxampBackend:
 def _check_active_ddp() -> None:
     # Traced inside a DistributedDataParallel's forward: refuse a DDP built before fxamp.compile
     # cast the parameters (it would reduce in the old dtype and let the replicas drift).
-    ddp_type = torch.nn.parallel.DistributedDataParallel
-    ddp = ddp_type._get_active_ddp_module() if hasattr(ddp_type, "_get_active_ddp_module") else None
+    ddp = _compat.active_ddp_module()
     if ddp is not None:
         from fxamp.distributed import check_ddp_order
 
@@ -217,7 +217,7 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
                    record: Optional[CastRecord] = None) -> None:
     """Make every `model(...)` call run the fxamp-compiled graph, boundary casts included.
 
-    `_compiled_call_impl` is the slot `nn.Module.compile` itself fills; fxamp fills it with
+    fxamp fills the slot `nn.Module.compile` itself fills (`_compat.set_compiled_call`) with
     the model's call wrapped in its boundary casts (Note [Model-boundary casts]). With the
     `record` of the cast, a refusal at the first call restores the model.
     """
@@ -227,12 +227,12 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
 
     def unprepare() -> None:
         record.undo()
-        set_compiled_call(model, None)
+        _compat.set_compiled_call(model, None)
         delattr(model, _BACKEND_ATTR)
 
     fxamp_backend.model = model
-    set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
-                                          None if record is None else unprepare, record))
+    _compat.set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
+                                                  None if record is None else unprepare, record))
     setattr(model, _BACKEND_ATTR, fxamp_backend)
 
 

@@ -14,12 +14,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from fxamp import _compat
 from fxamp.config import LOW_DTYPES, AmpConfig
 from fxamp.rules import match_module_override
 
 __all__ = ["cast_model", "storage_dtype", "boundary_forward", "CastRecord"]
 
-_BATCH_NORM = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.instancenorm._InstanceNorm)
+_BATCH_NORM = _compat.NORM_MODULE_TYPES
 
 
 def storage_dtype(name: str, module: torch.nn.Module, config: AmpConfig) -> Optional[torch.dtype]:
@@ -77,7 +78,7 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[...,
     def forward(*args: Any, **kwargs: Any) -> Any:
         if in_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), in_dtype, in_sources)
-        output = model._call_impl(*args, **kwargs)
+        output = _compat.call_impl(model, *args, **kwargs)
         return output if out_dtype is None else _cast_floats(output, out_dtype, out_sources)
 
     # Note [One code object per compiled model]: Dynamo caches compiled graphs per code object.
@@ -120,8 +121,7 @@ def cast_model(model: torch.nn.Module, config: AmpConfig) -> CastRecord:
         dtype = storage_dtype(name, module, config)
         if dtype is None:
             continue
-        tensors = list(module._parameters.values()) + list(module._buffers.values())
-        for tensor in tensors:
+        for tensor in _compat.own_tensors(module):
             if (tensor is not None and tensor.is_floating_point()
                     and tensor.dtype not in (torch.float64, dtype)):
                 record.originals.append((tensor, tensor.data))

@@ -21,8 +21,8 @@ import sys
 from typing import Any, Optional, Sequence
 
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
 
+from fxamp._compat import BackendCompilerFailed
 from fxamp.config import OPT_LEVELS, POLICY_PRESETS, AmpConfig
 from fxamp.errors import ConfigError, FxampError
 from fxamp.explain import explain

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from fxamp import _compat
 from fxamp.errors import ConfigError
 
 __all__ = ["state_dict", "load_state_dict", "save", "load", "check_ddp_order"]
@@ -92,10 +93,9 @@ def check_ddp_order(ddp: torch.nn.Module) -> None:
     Raises:
         ConfigError: a parameter's dtype differs from the dtype DDP's buckets reduce in.
     """
-    reducer = getattr(ddp, "reducer", None)
-    if reducer is None or not hasattr(reducer, "_get_zeros_like_grad_buckets"):
+    bucket_dtypes = _compat.ddp_bucket_dtypes(ddp)
+    if bucket_dtypes is None:
         return
-    bucket_dtypes = {b.buffer().dtype for b in reducer._get_zeros_like_grad_buckets()}
     param_dtypes = {p.dtype for p in ddp.module.parameters() if p.requires_grad}
     if param_dtypes - bucket_dtypes:
         raise ConfigError(

@@ -9,10 +9,9 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
-from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.utils import counters as dynamo_counters
-from torch._functorch.aot_autograd import make_boxed_func
 
+from fxamp._compat import (BackendCompilerFailed, aot_autograd, dynamo_counters,
+                           make_boxed_func, pytree)
 from fxamp.arguments import entry_config
 from fxamp.backend import CompiledGraph, FxampBackend, _check_model, compile_module
 from fxamp.cast_model import cast_model
@@ -171,12 +170,12 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: Optional[str
     breaks_before = collections.Counter(dynamo_counters["graph_break"])
     try:
         outputs = target(*example_inputs)
-    except torch._dynamo.exc.BackendCompilerFailed as e:
+    except BackendCompilerFailed as e:
         if isinstance(e.inner_exception, (FxampError, ConfigError)):
             raise e.inner_exception from None  # the pass's own message, not Dynamo's wrapper
         raise
     if backward:
-        floats = [o for o in torch.utils._pytree.tree_leaves(outputs)
+        floats = [o for o in pytree.tree_leaves(outputs)
                   if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
         sum(o.float().sum() for o in floats).backward()
     breaks = collections.Counter(dynamo_counters["graph_break"]) - breaks_before

@@ -20,7 +20,8 @@ import types
 from typing import Iterable, Mapping
 
 import torch
-from torch._ops import OpOverload
+
+from fxamp._compat import OpOverload
 
 __all__ = ["CastPolicy", "PRESETS", "preset_table", "resolve_op_names", "BANNED_ALTERNATIVES"]
 

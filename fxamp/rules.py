@@ -14,8 +14,8 @@ import re
 from typing import Callable, Optional
 
 import torch
-from torch._ops import OpOverload
 
+from fxamp._compat import OpOverload
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.policy import CastPolicy, preset_table

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxamp._compat import FakeTensorMode, OpOverload, make_fx
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.rules import BOUNDARY_REASON
 
@@ -33,7 +34,7 @@ def _arg(a: Any) -> str:
 
 def _target(node: fx.Node) -> str:
     target = node.target
-    name = str(target) if isinstance(target, torch._ops.OpOverload) else getattr(
+    name = str(target) if isinstance(target, OpOverload) else getattr(
         target, "__name__", str(target))
     return name.replace("aten.", "").replace(".default", "")
 
@@ -80,9 +81,6 @@ def transform(fn, *example_inputs, config) -> fx.GraphModule:
     of the passes on tiny graphs (milliseconds) and for checking single ops. `config` must be
     resolved (`AmpConfig.from_opt_level(...).resolve("cpu")`).
     """
-    from torch._subclasses import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     from fxamp.passes import run_passes
 
     with FakeTensorMode(allow_non_fake_inputs=True) as fake_mode:

@@ -61,6 +61,12 @@ def _private_uses(path, root=PACKAGE.parent):
     return [f"{rel}:{line}: {what}" for line, what in sorted(set(found))]
 
 
+def test_private_torch_apis_are_used_only_through_compat():
+    uses = [use for path in sorted(PACKAGE.rglob("*.py")) if path.name != "_compat.py"
+            for use in _private_uses(path)]
+    assert not uses, "private torch APIs outside fxamp/_compat.py:\n" + "\n".join(uses)
+
+
 def test_the_private_api_check_finds_what_it_should(tmp_path):
     sample = tmp_path / "fxamp" / "sample.py"
     sample.parent.mkdir()

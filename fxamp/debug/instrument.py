@@ -22,9 +22,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch._functorch.aot_autograd import make_boxed_func
-from torch.utils import _pytree as pytree
 
+from fxamp import _compat
+from fxamp._compat import make_boxed_func, pytree
 from fxamp.arguments import entry_config
 from fxamp.backend import _BACKEND_ATTR, FxampBackend, _check_model, config_of
 from fxamp.cast_model import boundary_forward, cast_model
@@ -59,7 +59,7 @@ class GraphRecord:
         setattr(self, phase, gm)
         if phase == FORWARD:
             for node in (n for n in gm.graph.nodes if n.op == "call_function"):
-                self.by_seq_nr.setdefault(node.meta.get("seq_nr", -1), node)
+                self.by_seq_nr.setdefault(node.meta.get(_compat.SEQ_NR, -1), node)
 
     def input_name(self, node: fx.Node) -> str:
         """'fc1_weight' for the forward placeholder `primals_2` (fxamp's readable names)."""
@@ -87,9 +87,9 @@ class Origin:
 
 
 def _pre_node(node: fx.Node, record: GraphRecord) -> Optional[fx.Node]:
-    for source in node.meta.get("from_node") or ():
-        if source.name in record.pre_by_name:
-            return record.pre_by_name[source.name]
+    for name in _compat.from_node_names(node):
+        if name in record.pre_by_name:
+            return record.pre_by_name[name]
     return None
 
 
@@ -119,10 +119,10 @@ def _policy(pre: Optional[fx.Node]) -> str:
 def origin_of(node: fx.Node, phase: str, record: GraphRecord) -> Origin:
     """The Origin of `node`, a node of `record`'s forward or backward graph."""
     forward = node
-    if phase == BACKWARD and node.meta.get("partitioner_tag") != "is_forward":
-        forward = record.by_seq_nr.get(node.meta.get("seq_nr", -2), node)  # Note [Mapping...]
+    if phase == BACKWARD and node.meta.get(_compat.PARTITIONER_TAG) != "is_forward":
+        forward = record.by_seq_nr.get(node.meta.get(_compat.SEQ_NR, -2), node)  # Note [Mapping...]
     pre = _pre_node(forward, record)
-    stack = forward.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    stack = forward.meta.get("nn_module_stack") or node.meta.get(_compat.FWD_NN_MODULE_STACK)
     module, module_type = _module(stack)
     op = str(node.target) if node.op == "call_function" else node.op
     if node.op == "placeholder":
@@ -192,11 +192,9 @@ class InstrumentingCompiler:
         self.graphs: list[GraphRecord] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        from torch._dynamo.backends.debugging import aot_eager
-
         record = GraphRecord(len(self.graphs), gm)
         self.graphs.append(record)
-        return aot_eager(gm, example_inputs,
+        return _compat.aot_eager(gm, example_inputs,
                          fw_compiler=lambda g, _: self._interpret(record, FORWARD, g),
                          bw_compiler=lambda g, _: self._interpret(record, BACKWARD, g))
 
@@ -210,7 +208,7 @@ def _private_copy(model: torch.nn.Module) -> torch.nn.Module:
     # A model fxamp.compile prepared holds its compiled call and backend; the copy gets neither
     # (deepcopy's memo maps them to None), only the cast parameters and buffers.
     memo: dict[int, Any] = {}
-    for attr in ("_compiled_call_impl", _BACKEND_ATTR):
+    for attr in (_compat.COMPILED_CALL_ATTR, _BACKEND_ATTR):
         if model.__dict__.get(attr) is not None:
             memo[id(model.__dict__[attr])] = None
     return copy.deepcopy(model, memo)
@@ -259,7 +257,7 @@ def call_model(fn: Callable, batch: Any, with_target: bool) -> tuple[Any, Any]:
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     try:
         return fn(*args), target
-    except torch._dynamo.exc.BackendCompilerFailed as e:
+    except _compat.BackendCompilerFailed as e:
         if isinstance(e.inner_exception, (FxampError, ConfigError)):
             raise e.inner_exception from None  # the pass's own message, not Dynamo's wrapper
         raise

@@ -16,9 +16,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxamp._compat import TorchDispatchMode, pytree
 from fxamp.config import AmpConfig
 from fxamp.debug.instrument import (BACKWARD, FORWARD, GraphRecord, InstrumentingCompiler,
                                     Origin, backward, call_model, default_loss, display_name,

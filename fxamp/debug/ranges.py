@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 import torch.fx as fx
-from torch._ops import OpOverload
 
+from fxamp._compat import OpOverload
 from fxamp.config import AmpConfig
 from fxamp.debug import instrument
 from fxamp.debug.instrument import (BACKWARD, GraphRecord, InstrumentingCompiler, Origin,

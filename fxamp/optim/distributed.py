@@ -23,6 +23,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from fxamp._compat import functional_all_reduce
 from fxamp.errors import ConfigError
 
 __all__ = ["AUTO", "resolve_group", "is_dtensor", "agree_found", "global_squared_norm",
@@ -85,21 +86,17 @@ def _pick_group(process_group: Any, owner: str) -> Optional[Any]:
 
 def agree_found(found: torch.Tensor, group: Any) -> torch.Tensor:
     """The overflow flag OR-ed over the group (a traced all-reduce, no host read)."""
-    from torch.distributed._functional_collectives import all_reduce
-
-    return all_reduce(found.float(), "max", group) != 0
+    return functional_all_reduce(found.float(), "max", group) != 0
 
 
 def global_squared_norm(grads: Sequence[torch.Tensor], sharded: Sequence[bool],
                         group: Any) -> torch.Tensor:
     """Sum of squares of all gradients: the sharded buckets' part summed over the group, the
     replicated buckets' part (identical on every rank) added once."""
-    from torch.distributed._functional_collectives import all_reduce
-
     squares = [g.float().square().sum() for g in grads]
     local = sum(s for s, shard in zip(squares, sharded) if shard)
     replicated = sum(s for s, shard in zip(squares, sharded) if not shard)
-    return all_reduce(local, "sum", group) + replicated
+    return functional_all_reduce(local, "sum", group) + replicated
 
 
 def agree_flags_(flags: Sequence[torch.Tensor], group: Any) -> None:

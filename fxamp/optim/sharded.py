@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from fxamp._compat import foreach_add_, foreach_copy_
 from fxamp.optim.flat import LOW_PRECISION, FlatBucket, _layout, refresh_master
 
 __all__ = ["ShardedBucket"]
@@ -96,7 +97,7 @@ class ShardedBucket(FlatBucket):
                  if p.grad is not None]
         if pairs:
             with torch.no_grad():
-                torch._foreach_add_([v for v, _ in pairs], [g.to(v.dtype) for v, g in pairs])
+                foreach_add_([v for v, _ in pairs], [g.to(v.dtype) for v, g in pairs])
         for p in self.params:
             p.grad = None
 
@@ -114,8 +115,8 @@ class ShardedBucket(FlatBucket):
         """Copy the updated flat weights into the parameters' local shards."""
         local = self._locals()
         with torch.no_grad():
-            torch._foreach_copy_(local, [self.local_view(self.param, i)
-                                         for i in range(len(local))])
+            foreach_copy_(local, [self.local_view(self.param, i)
+                                  for i in range(len(local))])
         self.versions = [t._version for t in local]
 
     def mark_params_synced(self) -> None:

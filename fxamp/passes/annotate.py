@@ -14,9 +14,8 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
-from torch._ops import OpOverload
-from torch.utils import _pytree as pytree
 
+from fxamp._compat import ENTER_AUTOCAST, EXIT_AUTOCAST, OpOverload, pytree
 from fxamp.config import LOW_DTYPES, AmpConfig
 from fxamp.errors import FxampError
 from fxamp.passes.hops import body_inputs, hop_spec
@@ -173,9 +172,9 @@ class _UserAutocast:
         self.stack: list[bool] = [inherited]
 
     def visit(self, node: fx.Node) -> None:
-        if node.target is torch.amp.autocast_mode._enter_autocast:
+        if node.target is ENTER_AUTOCAST:
             self.stack.append(node.args[0] == self.device_type)
-        elif node.target is torch.amp.autocast_mode._exit_autocast and self.stack:
+        elif node.target is EXIT_AUTOCAST and self.stack:
             self.stack.pop()
 
     @property

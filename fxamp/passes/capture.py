@@ -15,9 +15,11 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
-from torch.utils import _pytree as pytree
 
+from fxamp._compat import EXAMPLE_VALUE, make_fx, rename_node
+
+from fxamp._compat import (SET_GRAD_ENABLED, emit_call, make_fx_tracer, pytree,
+                           retrace_subgraph)
 from fxamp.passes.hops import HopSpec, body_inputs, hop_spec
 
 __all__ = ["to_aten", "fake_inputs"]
@@ -28,7 +30,7 @@ def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode) ->
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     fakes = []
     for node, value in zip(placeholders, example_inputs):
-        example = node.meta.get("example_value")
+        example = node.meta.get(EXAMPLE_VALUE)
         if isinstance(value, torch.Tensor):
             fakes.append(fake_mode.from_tensor(value))
         else:
@@ -50,32 +52,23 @@ def _trace_hop(target, spec: HopSpec, args: tuple, kwargs: dict) -> Any:
     # Note [Higher-order ops keep their bodies] in hops.py. Emitted the way torch's own
     # pre-dispatch rules for higher-order ops do it: policy bodies are re-traced to ATen inside
     # the make_fx session in progress, registered on its root, and the op becomes one node.
-    from torch._higher_order_ops.utils import reenter_make_fx
-    from torch.fx.experimental.proxy_tensor import track_tensor_tree
-
-    tracer = get_proxy_mode().tracer
     inputs = body_inputs(args)
-    args = tuple(_retrace_body(a, inputs, reenter_make_fx) if i in spec.policy_bodies else a
+    args = tuple(_retrace_body(a, inputs) if i in spec.policy_bodies else a
                  for i, a in enumerate(args))
     first = args[spec.policy_bodies[0]] if spec.policy_bodies else None
     out = spec.output(output_vals(first) if first else None, args)
-    for a in args:
-        if isinstance(a, fx.GraphModule):
-            tracer.root.register_module(tracer.get_fresh_qualname("fxamp_body"), a)
-    proxy_args, proxy_kwargs = pytree.tree_map(tracer.unwrap_proxy, (args, kwargs))
-    proxy = tracer.create_proxy("call_function", target, proxy_args, proxy_kwargs)
-    return track_tensor_tree(out, proxy, constant=None, tracer=tracer)
+    return emit_call(target, args, kwargs, out)
 
 
-def _retrace_body(body: fx.GraphModule, inputs: list[Any], reenter_make_fx) -> fx.GraphModule:
-    outer = get_proxy_mode().tracer.graph
+def _retrace_body(body: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:
+    outer = make_fx_tracer().graph
     before = set(outer.nodes)
     with fx_traceback.preserve_node_meta():  # make_fx's subgraph tracing does not keep it on
-        aten_body = reenter_make_fx(fx.Interpreter(body).run)(*inputs)
+        aten_body = retrace_subgraph(fx.Interpreter(body).run, *inputs)
     # The grad-mode switches inside the body are recorded in the body and, through the
     # enclosing trace's torch-function mode, once more around the node: drop the copies.
     for node in [n for n in outer.nodes if n not in before]:
-        if node.target is torch._C._set_grad_enabled and not node.users:
+        if node.target is SET_GRAD_ENABLED and not node.users:
             outer.erase_node(node)
     # Selective checkpointing keeps its policy on the body (Dynamo puts it there).
     aten_body.meta.update({k: v for k, v in body.meta.items() if k not in aten_body.meta})
@@ -104,7 +97,7 @@ def to_aten(gm: fx.GraphModule, fakes: Sequence[Any], fake_mode) -> fx.GraphModu
     sources = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     for node, source in zip(list(aten_gm.graph.find_nodes(op="placeholder")), sources):
         node.meta["fxamp_source"] = source
-        node.target = node._rename(readable_name(source)) or node.name
+        node.target = rename_node(node, readable_name(source))
     aten_gm.recompile()
     return aten_gm
 

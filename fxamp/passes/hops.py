@@ -19,7 +19,8 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 import torch.fx as fx
-from torch._ops import HigherOrderOperator
+
+from fxamp._compat import HigherOrderOperator
 
 __all__ = ["HopSpec", "hop_spec", "body_inputs", "policy_bodies"]
 

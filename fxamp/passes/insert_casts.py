@@ -13,9 +13,8 @@ from typing import Any, Optional
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch.utils import _pytree as pytree
 
+from fxamp._compat import detect_fake_mode, pytree
 from fxamp.passes.annotate import FXAMP_META, OpDecision, short_dtype
 
 __all__ = ["insert_casts", "CastInfo", "is_fxamp_cast"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch._ops import OpOverload
 
+from fxamp._compat import OpOverload
 from fxamp.config import LOW_DTYPES, AmpConfig
 from fxamp.errors import BannedOpError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype

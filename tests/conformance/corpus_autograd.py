@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as ckpt
 
+from .groups import BREAKS, CHECKPOINTING, FUNCTION_GROUP, USER_AUTOCAST
 from .harness import Pattern
 
 B, D = 8, 32
@@ -132,26 +133,31 @@ def _fp16_region(self, h):
 
 
 PATTERNS = [
-    Pattern("autograd_function", "custom autograd.Function (forward takes ctx)",
-            _stack(lambda self, h: Square.apply(h))),
-    Pattern("autograd_function_setup_context",
+    Pattern("autograd_function", FUNCTION_GROUP, "custom autograd.Function (forward takes ctx)",
+            _stack(lambda self, h: Square.apply(h)), inductor=True),
+    Pattern("autograd_function_setup_context", FUNCTION_GROUP,
             "custom autograd.Function with setup_context and a non-tensor argument",
             _stack(lambda self, h: ScaledTanh.apply(h, 2.0))),
-    Pattern("checkpoint_reentrant", "torch.utils.checkpoint(use_reentrant=True)",
+    Pattern("checkpoint_reentrant", CHECKPOINTING, "torch.utils.checkpoint(use_reentrant=True)",
             _checkpointed(use_reentrant=True)),
-    Pattern("checkpoint_non_reentrant", "torch.utils.checkpoint(use_reentrant=False)",
-            _checkpointed(use_reentrant=False)),
-    Pattern("selective_checkpoint",
+    Pattern("checkpoint_non_reentrant", CHECKPOINTING,
+            "torch.utils.checkpoint(use_reentrant=False)",
+            _checkpointed(use_reentrant=False), inductor=True),
+    Pattern("selective_checkpoint", CHECKPOINTING,
             "selective activation checkpointing (create_selective_checkpoint_contexts)",
             _checkpointed(use_reentrant=False, context_fn=functools.partial(
                 ckpt.create_selective_checkpoint_contexts, _save_matmuls))),
-    Pattern("break_item", "graph break: .item() in forward", _stack(_item)),
-    Pattern("break_print", "graph break: print() in forward", _stack(_print)),
-    Pattern("break_builtin", "graph break: a builtin Dynamo cannot trace (zlib.crc32)",
+    Pattern("break_item", BREAKS, "graph break: .item() in forward", _stack(_item),
+            inductor=True),
+    Pattern("break_print", BREAKS, "graph break: print() in forward", _stack(_print)),
+    Pattern("break_builtin", BREAKS, "graph break: a builtin Dynamo cannot trace (zlib.crc32)",
             _stack(_builtin)),
-    Pattern("break_branch", "graph break: a data-dependent `if` on a tensor", _stack(_branch)),
-    Pattern("autocast_fp32_region", "torch.autocast(enabled=False) region in forward",
+    Pattern("break_branch", BREAKS,
+            "graph break: a data-dependent `if` on a tensor", _stack(_branch)),
+    Pattern("autocast_fp32_region", USER_AUTOCAST,
+            "torch.autocast(enabled=False) region in forward",
             _stack(_fp32_region), xfail={"O2": FP32_REGION_O2}),
-    Pattern("autocast_fp16_region", "torch.autocast(dtype=float16) region inside bf16 O1",
+    Pattern("autocast_fp16_region", USER_AUTOCAST,
+            "torch.autocast(dtype=float16) region inside bf16 O1",
             _stack(_fp16_region), levels=("O1",), xfail={"O1": FP16_REGION_O1}),
 ]

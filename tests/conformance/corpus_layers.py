@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrizations
 
+from .groups import BUFFERS, HOOKS, LAYERS, PARAM, SIDE
 from .harness import Pattern
 
 B, D = 8, 32
@@ -15,10 +16,10 @@ B, D = 8, 32
 # The symptoms on main (2026-11-23), item numbers as in issue 10.
 BREAK_O1 = ("issue 10 item 2: the full backward hook breaks the graph and fc2 runs eagerly "
             "outside O1's policy: RuntimeError: mat1 and mat2 must have the same dtype, but got "
-            "BFloat16 and Float")
-NO_GRAD_CAST = ("new: at O1 the output no longer requires grad (RuntimeError: element 0 of "
-                "tensors does not require grad): the h.float() taken under torch.no_grad() for "
-                "the EMA seems to be reused for `h - ema` outside it")
+            "BFloat16 (Half) and Float")
+NO_GRAD_CAST = ("new: at O1 the output is detached (RuntimeError: element 0 of tensors does "
+                "not require grad): `h - ema` is promoted by reusing the user's h.float() made "
+                "inside torch.no_grad() (sub.Tensor(to, add_) after _set_grad_enabled(True))")
 
 
 def _x(*shape: int) -> torch.Tensor:
@@ -162,30 +163,34 @@ def _functional_call(model, inputs):
 
 
 PATTERNS = [
-    Pattern("mlp", "Linear-ReLU-Linear, the baseline", lambda: (MLP(), (_x(B, D),)),
+    Pattern("mlp", LAYERS, "Linear-ReLU-Linear, the baseline", lambda: (MLP(), (_x(B, D),)),
             levels=("O1", "O2", "O3"), inductor=True),
-    Pattern("module_hooks", "forward pre-hook and forward hook changing input and output",
+    Pattern("module_hooks", HOOKS, "forward pre-hook and forward hook changing input and output",
             _module_hooks),
-    Pattern("backward_hook", "register_full_backward_hook scaling a module's input gradient",
+    Pattern("backward_hook", HOOKS,
+            "register_full_backward_hook scaling a module's input gradient",
             _backward_hook, xfail={"O1": BREAK_O1}),
-    Pattern("tensor_hook", "Tensor.register_hook on an activation inside forward",
-            lambda: (TensorHook(), (_x(B, D),))),
-    Pattern("buffer_update", "register_buffer updated in place in forward (EMA, counter)",
-            lambda: (RunningMean(), (_x(B, D),)), xfail={"O1": NO_GRAD_CAST}),
-    Pattern("inplace", "ReLU(inplace=True), Dropout(inplace=True), +=, F.leaky_relu_",
+    Pattern("tensor_hook", HOOKS, "Tensor.register_hook on an activation inside forward",
+            lambda: (TensorHook(), (_x(B, D),)), inductor=True),
+    Pattern("buffer_update", BUFFERS, "register_buffer updated in place in forward (EMA, counter)",
+            lambda: (RunningMean(), (_x(B, D),)), xfail={"O1": NO_GRAD_CAST}, inductor=True),
+    Pattern("inplace", LAYERS, "ReLU(inplace=True), Dropout(inplace=True), +=, F.leaky_relu_",
             lambda: (InPlace(), (_x(B, D),))),
-    Pattern("fp64_complex_side", "fp64 statistic and complex FFT beside the net (dtypes kept)",
+    Pattern("fp64_complex_side", SIDE,
+            "fp64 statistic and complex FFT beside the net (dtypes kept)",
             lambda: (SideComputations(), (_x(B, D),))),
-    Pattern("sdpa_pad_mask", "scaled_dot_product_attention with a boolean padding mask",
-            _attention(False)),
-    Pattern("sdpa_causal", "scaled_dot_product_attention with is_causal=True", _attention(True)),
-    Pattern("embedding_bag", "nn.EmbeddingBag (mean) + F.embedding_bag with per-sample weights",
+    Pattern("sdpa_pad_mask", LAYERS, "scaled_dot_product_attention with a boolean padding mask",
+            _attention(False), inductor=True),
+    Pattern("sdpa_causal", LAYERS,
+            "scaled_dot_product_attention with is_causal=True", _attention(True)),
+    Pattern("embedding_bag", LAYERS,
+            "nn.EmbeddingBag (mean) + F.embedding_bag with per-sample weights",
             _bag),
-    Pattern("weight_tying", "LM head sharing the embedding's weight",
+    Pattern("weight_tying", LAYERS, "LM head sharing the embedding's weight",
             lambda: (TiedLM(), (torch.randint(0, 40, (2, 10)),))),
-    Pattern("weight_norm", "parametrizations.weight_norm", _parametrized("weight_norm")),
-    Pattern("spectral_norm", "parametrizations.spectral_norm (power-iteration buffers)",
+    Pattern("weight_norm", PARAM, "parametrizations.weight_norm", _parametrized("weight_norm")),
+    Pattern("spectral_norm", PARAM, "parametrizations.spectral_norm (power-iteration buffers)",
             _parametrized("spectral_norm")),
-    Pattern("functional_call", "torch.func.functional_call(model, params, x)",
+    Pattern("functional_call", PARAM, "torch.func.functional_call(model, params, x)",
             lambda: (MLP(), (_x(B, D),)), call=_functional_call),
 ]

@@ -18,12 +18,16 @@ Errors are relative and linear in the perturbation: the loss's relative error; p
 angle between the flattened gradient and fp32's (radians, arccos of the cosine) and the relative
 error of its norm; the relative error of every floating buffer (running statistics, buffers a
 forward updates). The worst parameter / buffer counts. Written once here, never tuned per case.
+Measured (2026-11-23, every passing case, bf16 and fp16, errors above a quarter of FLOOR): the
+largest fxamp / autocast ratio was 1.2 at O1 (fp64_complex_side, rnn_cell), 1.9 at O2
+(spectral_norm, transformer_encoder_train gradient norms) and 0.9 at O3 (resnet_channels_last):
+each K leaves about 2x. A dropped Tensor hook (gradient 1/3 of fp32's) gives ratios of 30-1700,
+a lost or fp32-only run fails the structural checks below.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import math
 import warnings
@@ -51,7 +55,8 @@ def _call(model: nn.Module, inputs: tuple) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Pattern:
-    """A model pattern users train. `build()` returns a seeded fp32 model and one batch.
+    """A model pattern users train. `build()` returns a seeded fp32 model and one batch;
+    `group` names the feature it belongs to in the README's table.
 
     call: how the training script calls the model; grad_mode: "train" (forward + backward),
     "no_grad" or "inference_mode" (forward only); eval: model.eval() first; copy: applied to
@@ -61,6 +66,7 @@ class Pattern:
     """
 
     name: str
+    group: str
     summary: str
     build: Callable[[], tuple[nn.Module, tuple]]
     call: Callable[[nn.Module, tuple], Any] = _call
@@ -69,7 +75,7 @@ class Pattern:
     copy: Optional[Callable[[nn.Module], nn.Module]] = None
     levels: tuple[str, ...] = ("O1", "O2")
     xfail: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    check: Optional[Callable[["Run", "Run"], None]] = None
+    check: Optional[Callable[["Run", "Run", str], None]] = None
     inductor: bool = False
     slow: bool = False
 
@@ -134,7 +140,8 @@ def _execute(pattern: Pattern, model: nn.Module, inputs: tuple, scale: float,
     buffers = {name: b.detach().to(torch.float64) for name, b in model.named_buffers()
                if b.is_floating_point()}
     outputs = [t.detach() for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-    return Run(model, float(loss.detach()), outputs, grads, buffers, [str(w.message) for w in caught])
+    caught = [str(w.message) for w in caught]
+    return Run(model, float(loss.detach()), outputs, grads, buffers, caught)
 
 
 # fp16 gradients of these small models stay far from underflow once the loss is multiplied by
@@ -181,21 +188,31 @@ def _angle(value: torch.Tensor, ref: torch.Tensor) -> float:
 def errors(run: Run, ref: Run) -> dict[str, float]:
     """The case's errors against the fp32 reference (see Note [Conformance tolerance])."""
     out = {"loss": abs(run.loss - ref.loss) / max(abs(ref.loss), 1e-30)}
-    pairs = [(run.grads[n], g) for n, g in ref.grads.items() if g is not None]
+    pairs = [(run.grads[n], g) for n, g in _informative(ref.grads).items()]
     if pairs and all(g is not None for g, _ in pairs):
         out["grad angle"] = max(_angle(g.flatten(), r.flatten()) for g, r in pairs)
-        out["grad norm"] = max(abs(float(g.norm()) / max(float(r.norm()), 1e-30) - 1)
-                               for g, r in pairs if float(r.norm()) > 0) if any(
-            float(r.norm()) > 0 for _, r in pairs) else 0.0
+        out["grad norm"] = max(abs(float(g.norm()) / float(r.norm()) - 1) for g, r in pairs)
     if ref.buffers:
         out["buffers"] = max(_rel(run.buffers[n], b) for n, b in ref.buffers.items())
     return out
+
+
+# A gradient that is zero in exact arithmetic (BERT's key bias: softmax ignores a score shift)
+# comes out of fp32 as rounding noise, ~1e-12 of the others; its angle and norm mean nothing.
+NOISE = 1e-6
+
+
+def _informative(grads: dict[str, Optional[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    norms = {n: float(g.norm()) for n, g in grads.items() if g is not None}
+    largest = max(norms.values(), default=0.0)
+    return {n: grads[n] for n, v in norms.items() if v > NOISE * largest}
 
 
 def _check_structure(run: Run, ref: Run) -> None:
     lost = [n for n, g in ref.grads.items() if g is not None and run.grads.get(n) is None]
     assert not lost, f"fxamp lost the gradient of {lost} (fp32 eager has them)"
     assert set(run.buffers) == set(ref.buffers), "buffers differ from the fp32 model's"
+    assert len(run.outputs) == len(ref.outputs), "the output's structure differs from fp32's"
     for i, (out, want) in enumerate(zip(run.outputs, ref.outputs)):
         if want.dtype in (torch.float64, torch.complex64, torch.complex128) or (
                 not want.is_floating_point() and not want.is_complex()):
@@ -204,6 +221,11 @@ def _check_structure(run: Run, ref: Run) -> None:
                 "(fp64, complex and integer computations must stay untouched)")
     bad = [n for n, g in run.grads.items() if g is not None and not bool(g.isfinite().all())]
     assert not bad and math.isfinite(run.loss), f"non-finite loss or gradients: {bad}"
+
+
+def _same_bits(run: Run, ref: Run) -> bool:
+    same = [torch.equal(g, ref.grads[n]) for n, g in run.grads.items() if g is not None]
+    return run.loss == ref.loss and all(same)
 
 
 def compare(run: Run, peer_run: Run, ref: Run, level: str, dtype: torch.dtype) -> dict:
@@ -215,7 +237,7 @@ def compare(run: Run, peer_run: Run, ref: Run, level: str, dtype: torch.dtype) -
              for m in ours if not ours[m] <= bound[m]}
     assert not worse, f"fxamp {level} {dtype} is further from fp32 than autocast: {worse}"
     # Silently skipping mixed precision (an fp32 run) is as wrong as a bad one.
-    if max(theirs.values()) > 0 and max(ours.values()) == 0:
+    if max(theirs.values()) > 0 and _same_bits(run, ref):
         raise AssertionError(f"fxamp {level} gave fp32's results bit for bit while autocast's "
                              f"differ ({theirs}): it ran without mixed precision")
     return {"fxamp": ours, "autocast": theirs}

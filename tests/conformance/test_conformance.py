@@ -29,4 +29,4 @@ def test_conformance(baselines, name, level, dtype_name, compiler):
     run = harness.subject(pattern, level, dtype, compiler)
     harness.compare(run, peer, ref, level, dtype)
     if pattern.check:
-        pattern.check(run, ref)
+        pattern.check(run, ref, level)
