@@ -32,8 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
 __all__ = [
     "TORCH_VERSION", "pytree", "dynamo_counters", "make_boxed_func", "detect_fake_mode",
-    "OpOverload", "FakeTensor", "FakeTensorMode", "make_fx", "TorchDispatchMode", "BackendCompilerFailed",
-    "Unsupported", "compile_fx", "list_mode_options", "aot_eager", "aot_autograd",
+    "OpOverload", "FakeTensor", "FakeTensorMode", "make_fx", "TorchDispatchMode",
+    "BackendCompilerFailed", "Unsupported", "UserError", "compile_fx", "list_mode_options",
+    "inductor_config_keys", "aot_eager", "aot_autograd",
     "compile_fresh", "ENTER_AUTOCAST", "EXIT_AUTOCAST", "NORM_MODULE_TYPES", "call_impl",
     "set_compiled_call", "COMPILED_CALL_ATTR", "own_tensors", "rename_node", "SEQ_NR",
     "FWD_NN_MODULE_STACK", "PARTITIONER_TAG", "EXAMPLE_VALUE", "from_node_names",
@@ -48,6 +49,7 @@ TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("
 # Checked on 2.11.0, 2.13.0, 2.14.1.
 BackendCompilerFailed = _dynamo_exc.BackendCompilerFailed
 Unsupported = _dynamo_exc.Unsupported
+UserError = _dynamo_exc.UserError  # e.g. a data-dependent branch under fullgraph=True
 
 
 def compile_fx(gm: fx.GraphModule, example_inputs: Any, *, config_patches: Optional[dict] = None):
@@ -67,6 +69,14 @@ def list_mode_options(mode: str) -> dict[str, Any]:
     from torch._inductor import list_mode_options as inductor_mode_options
 
     return inductor_mode_options(mode)
+
+
+def inductor_config_keys() -> frozenset[str]:
+    """The names `torch.compile(options=...)` accepts (Inductor's config, dotted names
+    included). Checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._inductor import config as inductor_config
+
+    return frozenset(inductor_config.get_config_copy())
 
 
 def aot_eager(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["CompileSettings", "make_copyable"]
+__all__ = ["CompileSettings", "make_copyable", "forget_copyable"]
 
 _REDUCE = "__reduce_ex__"
 
@@ -60,3 +60,8 @@ def _rebuild(cls: type, settings: CompileSettings) -> torch.nn.Module:
 def make_copyable(module: torch.nn.Module, settings: CompileSettings, marker: str) -> None:
     """Give `module` the `__reduce_ex__` of Note [Copies keep the compiled call]."""
     module.__dict__[_REDUCE] = _Reducer(module, settings, marker)
+
+
+def forget_copyable(module: torch.nn.Module) -> None:
+    """Undo `make_copyable` (a refused model goes back to what it was)."""
+    module.__dict__.pop(_REDUCE, None)

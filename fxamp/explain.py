@@ -11,7 +11,8 @@ import torch
 import torch.fx as fx
 
 from fxamp._compat import (BackendCompilerFailed, aot_autograd, dynamo_counters,
-                            make_boxed_func, pytree)
+                           make_boxed_func, pytree)
+from fxamp.arguments import entry_config
 from fxamp.backend import CompiledGraph, FxampBackend, _check_model, compile_module
 from fxamp.cast_model import cast_model
 from fxamp.config import AmpConfig
@@ -21,7 +22,7 @@ from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.hops import policy_bodies
 from fxamp.passes.insert_casts import CastInfo
 from fxamp.policy import CastPolicy
-from fxamp.rules import BOUNDARY_REASON, is_compute_op, module_path
+from fxamp.rules import BOUNDARY_REASON, check_module_overrides, is_compute_op, module_path
 from fxamp.testing import format_graph
 
 __all__ = ["explain", "Explanation", "OpRow"]
@@ -131,7 +132,7 @@ class _Recorder:
         return make_boxed_func(gm.forward)
 
 
-def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
+def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: Optional[str] = None,
             backward: bool = False, config: Optional[AmpConfig] = None,
             ranges: bool = False, **overrides: Any) -> Explanation:
     """Run `model_or_fn(*example_inputs)` under fxamp (eagerly, no Inductor) and report.
@@ -141,7 +142,8 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
     Args:
         model_or_fn: an nn.Module or a function of tensors.
         *example_inputs: inputs to run it on once.
-        opt_level, config, **overrides: as for `fxamp.compile`.
+        opt_level, config, **overrides: as for `fxamp.compile` (O1 unless given; config and
+            opt_level/overrides together are refused).
         backward: also run backward on the sum of the floating outputs and record the
             backward graphs AOTAutograd derived from the transformed forward.
         ranges: also measure every op's values on `example_inputs` against the fp16 limits
@@ -150,10 +152,11 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
     Returns:
         An Explanation: print it, or read `.rows`, `.casts_inserted`, `.graph_breaks`.
     """
-    config = config or AmpConfig.from_opt_level(opt_level, **overrides)
+    config = entry_config(config, opt_level, overrides, "fxamp.explain")
     target = model_or_fn
     if isinstance(target, torch.nn.Module):
         device = _check_model(target)
+        check_module_overrides(target, config)
         target = copy.deepcopy(target)
         config = config.resolve(config.device_type or device.type)
         cast_model(target, config)
