@@ -33,13 +33,14 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 __all__ = [
     "TORCH_VERSION", "pytree", "dynamo_counters", "make_boxed_func", "detect_fake_mode",
     "OpOverload", "FakeTensor", "FakeTensorMode", "make_fx", "TorchDispatchMode",
-    "BackendCompilerFailed", "Unsupported", "compile_fx", "list_mode_options", "aot_eager", "aot_autograd",
+    "BackendCompilerFailed", "Unsupported", "UserError", "compile_fx", "list_mode_options",
+    "inductor_config_keys", "aot_eager", "aot_autograd",
     "compile_fresh", "ENTER_AUTOCAST", "EXIT_AUTOCAST", "NORM_MODULE_TYPES", "call_impl",
     "set_compiled_call", "COMPILED_CALL_ATTR", "own_tensors", "rename_node", "SEQ_NR",
     "FWD_NN_MODULE_STACK", "PARTITIONER_TAG", "EXAMPLE_VALUE", "from_node_names",
     "active_ddp_module", "ddp_bucket_dtypes", "functional_all_reduce", "foreach_add_",
     "foreach_copy_", "HigherOrderOperator", "SET_GRAD_ENABLED", "make_fx_tracer",
-    "retrace_subgraph", "emit_call", "compile_time_metrics", "compile_cache_counters",
+    "retrace_subgraph", "emit_call", "dynamo_traces_rnns", "compile_time_metrics", "compile_cache_counters",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
@@ -48,6 +49,7 @@ TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split("
 # Checked on 2.11.0, 2.13.0, 2.14.1.
 BackendCompilerFailed = _dynamo_exc.BackendCompilerFailed
 Unsupported = _dynamo_exc.Unsupported
+UserError = _dynamo_exc.UserError  # e.g. a data-dependent branch under fullgraph=True
 
 
 def compile_fx(gm: fx.GraphModule, example_inputs: Any, *, config_patches: Optional[dict] = None):
@@ -67,6 +69,14 @@ def list_mode_options(mode: str) -> dict[str, Any]:
     from torch._inductor import list_mode_options as inductor_mode_options
 
     return inductor_mode_options(mode)
+
+
+def inductor_config_keys() -> frozenset[str]:
+    """The names `torch.compile(options=...)` accepts (Inductor's config, dotted names
+    included). Checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._inductor import config as inductor_config
+
+    return frozenset(inductor_config.get_config_copy())
 
 
 def aot_eager(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):
@@ -257,3 +267,11 @@ def compile_cache_counters() -> dict[str, int]:
     """Hits, misses and bypasses of Inductor's FX graph cache and AOTAutograd's cache so far in
     this process. Checked on 2.11.0, 2.13.0, 2.14.1."""
     return {name: dynamo_counters[group][name] for group, name in _CACHE_COUNTERS}
+
+
+def dynamo_traces_rnns() -> bool:
+    """Whether Dynamo traces nn.RNN/GRU/LSTM (`torch._dynamo.config.allow_rnn`, off by default:
+    they run eagerly). Checked on 2.11.0, 2.13.0, 2.14.1."""
+    import torch._dynamo.config as dynamo_config
+
+    return bool(getattr(dynamo_config, "allow_rnn", False))

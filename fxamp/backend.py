@@ -11,12 +11,16 @@ import torch
 import torch.fx as fx
 
 from fxamp import _compat
-from fxamp.cast_model import boundary_forward, cast_model
+from fxamp.arguments import check_compile_flags, check_compiler, entry_config
+from fxamp.cast_model import CastRecord, boundary_forward, cast_model
+from fxamp.compiled_call import CompiledCall, check_storage
 from fxamp.config import AmpConfig
+from fxamp.copies import CompileSettings, forget_copyable, make_copyable
+from fxamp.eager_regions import warn_untraced, with_policy_autocast, without_autocast
 from fxamp.errors import ConfigError
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
-from fxamp.rules import check_op_override_keys
+from fxamp.rules import check_module_overrides, check_op_override_keys
 
 __all__ = ["FxampBackend", "backend", "backend_of", "compile", "compile_module", "config_of",
            "CompiledGraph"]
@@ -73,12 +77,17 @@ class FxampBackend:
 
     def __init__(self, config: AmpConfig, *, compiler: Compiler = "inductor",
                  mode: Optional[str] = None, options: Optional[dict] = None):
+        check_compiler(compiler, mode, options)
         check_op_override_keys(config)
         self.config = config
         self._key = (config.cache_key(), compiler if isinstance(compiler, str) else id(compiler),
                      mode, tuple(sorted((options or {}).items())))
         self._inner = _inner_compiler(compiler, mode, options)
+        self.compile_args = {"compiler": compiler, "mode": mode, "options": options}
         self.compiled_graphs: list[CompiledGraph] = []
+        # The model fxamp.compile prepared (set by compile_module): each compile checks that
+        # its weights were not cast since (Dynamo recompiles when a parameter's dtype changes).
+        self.model: Optional[torch.nn.Module] = None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FxampBackend) and other._key == self._key
@@ -94,15 +103,19 @@ class FxampBackend:
         if not config.is_resolved:
             config = config.resolve(config.device_type or _device_type(example_inputs))
         _check_active_ddp()
+        if self.model is not None:
+            check_storage(self.model, config)
         fake_mode = _compat.detect_fake_mode(example_inputs) or _compat.FakeTensorMode()
-        start = time.perf_counter()
-        aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
-        traced = time.perf_counter()
-        stats = run_passes(aten_gm, config, fake_mode)
-        self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
-                                                  time.perf_counter() - traced))
-        log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
-        return self._inner(aten_gm, example_inputs)
+        # Note [Eager regions run under autocast]: fxamp's graphs see only fxamp's policy.
+        with torch.autocast(config.device_type, enabled=False):
+            start = time.perf_counter()
+            aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
+            traced = time.perf_counter()
+            stats = run_passes(aten_gm, config, fake_mode)
+            self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
+                                                      time.perf_counter() - traced))
+            log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
+            return without_autocast(self._inner(aten_gm, example_inputs), config.device_type)
 
 
 def _check_active_ddp() -> None:
@@ -156,7 +169,8 @@ def _check_model(model: Any) -> torch.device:
     return floating[0].device
 
 
-def compile(model: torch.nn.Module, *, opt_level: str = "O1", config: Optional[AmpConfig] = None,
+def compile(model: torch.nn.Module, *, opt_level: Optional[str] = None,
+            config: Optional[AmpConfig] = None,
             enabled: bool = True, compiler: Compiler = "inductor", mode: Optional[str] = None,
             options: Optional[dict] = None, dynamic: Optional[bool] = None,
             fullgraph: bool = False, **overrides: Any) -> torch.nn.Module:
@@ -170,7 +184,7 @@ def compile(model: torch.nn.Module, *, opt_level: str = "O1", config: Optional[A
 
     Args:
         model: a module with floating-point parameters, not yet wrapped in DDP.
-        opt_level: "O0", "O1", "O2" or "O3" (letter O).
+        opt_level: "O0", "O1", "O2" or "O3" (letter O); O1 unless given.
         config: a ready AmpConfig instead of opt_level + overrides.
         enabled: False returns `model` untouched.
         compiler, mode, options: the inner compiler and Inductor's mode / options.
@@ -183,33 +197,55 @@ def compile(model: torch.nn.Module, *, opt_level: str = "O1", config: Optional[A
         The same module object, compiled.
 
     Raises:
-        ConfigError: for a bad level, override or model; the model is then left unchanged.
+        ConfigError: for a bad level, override, argument or model; the model is then left
+            unchanged. A refusal at the first call (a banned op, say) restores the model as it
+            was, so that it can be compiled again with the fix.
     """
-    if config is not None and (overrides or opt_level != "O1"):
-        raise ConfigError("pass either config= or opt_level= with overrides, not both")
-    config = config or AmpConfig.from_opt_level(opt_level, **overrides)
+    config = entry_config(config, opt_level, overrides, "fxamp.compile")
+    check_compiler(compiler, mode, options)
+    check_compile_flags(dynamic=dynamic, fullgraph=fullgraph, enabled=enabled)
     check_op_override_keys(config)
     if not enabled:
         return model
     device = _check_model(model)
     config = config.resolve(config.device_type or device.type)
-    cast_model(model, config)
+    check_module_overrides(model, config)
+    # Everything is checked: from here on the model changes (Note [Un-preparing a refused model]).
+    record = cast_model(model, config)
     compile_module(model, FxampBackend(config, compiler=compiler, mode=mode, options=options),
-                   dynamic=dynamic, fullgraph=fullgraph)
+                   dynamic=dynamic, fullgraph=fullgraph, record=record)
+    warn_untraced(model, config)
     return model
 
 
 def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
-                   dynamic: Optional[bool] = None, fullgraph: bool = False) -> None:
+                   dynamic: Optional[bool] = None, fullgraph: bool = False,
+                   record: Optional[CastRecord] = None) -> None:
     """Make every `model(...)` call run the fxamp-compiled graph, boundary casts included.
 
     fxamp fills the slot `nn.Module.compile` itself fills (`_compat.set_compiled_call`) with
-    the model's call wrapped in its boundary casts (Note [Model-boundary casts]).
+    the model's call wrapped in its boundary casts (Note [Model-boundary casts]), at O1 under
+    torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
+    With the `record` of the cast, a refusal at the first call restores the model.
     """
     forward = boundary_forward(model, fxamp_backend.config)
-    _compat.set_compiled_call(model, torch.compile(forward, backend=fxamp_backend,
-                                                   dynamic=dynamic, fullgraph=fullgraph))
+    compiled = with_policy_autocast(
+        torch.compile(forward, backend=fxamp_backend, dynamic=dynamic, fullgraph=fullgraph),
+        fxamp_backend.config)
+
+    def unprepare() -> None:
+        record.undo()
+        _compat.set_compiled_call(model, None)
+        delattr(model, _BACKEND_ATTR)
+        forget_copyable(model)
+
+    fxamp_backend.model = model
+    _compat.set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
+                                                  None if record is None else unprepare, record))
     setattr(model, _BACKEND_ATTR, fxamp_backend)
+    settings = CompileSettings(fxamp_backend.config, **fxamp_backend.compile_args,
+                               dynamic=dynamic, fullgraph=fullgraph)
+    make_copyable(model, settings, _BACKEND_ATTR)  # Note [Copies keep the compiled call]
 
 
 def backend_of(model: torch.nn.Module) -> Optional[FxampBackend]:

@@ -18,7 +18,7 @@ from fxamp import _compat
 from fxamp.config import LOW_DTYPES, AmpConfig
 from fxamp.rules import match_module_override
 
-__all__ = ["cast_model", "storage_dtype", "boundary_forward"]
+__all__ = ["cast_model", "storage_dtype", "boundary_forward", "CastRecord"]
 
 _BATCH_NORM = _compat.NORM_MODULE_TYPES
 
@@ -92,9 +92,31 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[...,
                               forward.__defaults__, forward.__closure__)
 
 
-def cast_model(model: torch.nn.Module, config: AmpConfig) -> int:
-    """Cast floating (non-fp64) parameters and buffers in place; returns how many changed."""
-    changed = 0
+@dataclasses.dataclass
+class CastRecord:
+    """What `cast_model` changed, to put back exactly (Note [Un-preparing a refused model])."""
+
+    originals: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its .data before the cast)
+    hook: Optional[Any] = None  # the state_dict post hook's handle
+
+    def __len__(self) -> int:
+        return len(self.originals)
+
+    def undo(self) -> None:
+        for tensor, data in self.originals:
+            tensor.data = data
+        if self.hook is not None:
+            self.hook.remove()
+        self.release()
+
+    def release(self) -> None:
+        """Forget the originals (after the first successful call), freeing their memory."""
+        self.originals, self.hook = [], None
+
+
+def cast_model(model: torch.nn.Module, config: AmpConfig) -> CastRecord:
+    """Cast floating (non-fp64) parameters and buffers in place; returns what changed."""
+    record = CastRecord([])
     for name, module in model.named_modules():
         dtype = storage_dtype(name, module, config)
         if dtype is None:
@@ -102,8 +124,8 @@ def cast_model(model: torch.nn.Module, config: AmpConfig) -> int:
         for tensor in _compat.own_tensors(module):
             if (tensor is not None and tensor.is_floating_point()
                     and tensor.dtype not in (torch.float64, dtype)):
+                record.originals.append((tensor, tensor.data))
                 tensor.data = tensor.data.to(dtype)
-                changed += 1
     if config.cast_model_type in LOW_DTYPES:
-        model.register_state_dict_post_hook(_state_dict_in_fp32)
-    return changed
+        record.hook = model.register_state_dict_post_hook(_state_dict_in_fp32)
+    return record

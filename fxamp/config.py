@@ -14,6 +14,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 
 import torch
 
+from fxamp import validation
 from fxamp.errors import ConfigError
 
 __all__ = ["AmpConfig", "OPT_LEVELS", "POLICY_PRESETS", "OpPolicy"]
@@ -65,17 +66,26 @@ def _as_bool(value: Any, what: str) -> bool:
 
 
 def _as_loss_scale(value: Any) -> Union[float, str]:
-    if value == "dynamic":
+    if value == "dynamic" and isinstance(value, str):
         return "dynamic"
-    try:
-        scale = float(value)
-    except (TypeError, ValueError):
-        raise ConfigError(
-            f"loss_scale={value!r} must be a positive number, a numeric string or 'dynamic'"
-        ) from None
-    if not scale > 0 or scale == float("inf"):
-        raise ConfigError(f"loss_scale={value!r} must be a positive finite number or 'dynamic'")
-    return scale
+    if isinstance(value, str):  # Apex's launch scripts pass "128.0" through from argv
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"loss_scale={value!r} must be a positive number, a numeric "
+                              "string or 'dynamic'") from None
+    return validation.positive_finite(value, "loss_scale", " or 'dynamic'")
+
+
+def _check_scaler_bounds(min_scale: Any, max_scale: Any) -> None:
+    if min_scale is not None:
+        validation.positive_finite(min_scale, "min_loss_scale",
+                                   " or None (the default floor, 1.0)")
+    if max_scale is not None:
+        validation.positive_finite(max_scale, "max_loss_scale", " or None (no cap)")
+    if min_scale is not None and max_scale is not None and min_scale > max_scale:
+        raise ConfigError(f"min_loss_scale={min_scale!r} exceeds max_loss_scale={max_scale!r}; "
+                          "the floor must be <= the cap")
 
 
 def check_opt_level(opt_level: Any) -> str:
@@ -143,8 +153,11 @@ class AmpConfig:
                     raise ConfigError(
                         f"{what}[{key!r}]={choice!r} is not one of {', '.join(OP_POLICY_CHOICES)}"
                     )
-        if not isinstance(self.num_losses, int) or self.num_losses < 1:
-            raise ConfigError(f"num_losses={self.num_losses!r} must be a positive int")
+        if type(self.num_losses) is not int or self.num_losses < 1:
+            raise ConfigError(f"num_losses={self.num_losses!r} must be a positive int (1, 2, ...)")
+        if self.loss_scale != "dynamic":
+            _as_loss_scale(self.loss_scale)
+        _check_scaler_bounds(self.min_loss_scale, self.max_loss_scale)
         self._check_apex_overrides()
 
     def _check_apex_overrides(self) -> None:

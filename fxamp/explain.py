@@ -11,16 +11,18 @@ import torch
 import torch.fx as fx
 
 from fxamp._compat import (BackendCompilerFailed, aot_autograd, dynamo_counters,
-                            make_boxed_func, pytree)
+                           make_boxed_func, pytree)
+from fxamp.arguments import entry_config
 from fxamp.backend import CompiledGraph, FxampBackend, _check_model, compile_module
 from fxamp.cast_model import cast_model
 from fxamp.config import AmpConfig
+from fxamp.eager_regions import eager_policy, untraced_modules
 from fxamp.errors import ConfigError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.hops import policy_bodies
 from fxamp.passes.insert_casts import CastInfo
 from fxamp.policy import CastPolicy
-from fxamp.rules import BOUNDARY_REASON, is_compute_op, module_path
+from fxamp.rules import BOUNDARY_REASON, check_module_overrides, is_compute_op, module_path
 from fxamp.testing import format_graph
 
 __all__ = ["explain", "Explanation", "OpRow"]
@@ -52,6 +54,7 @@ class Explanation:
     graph_breaks: int
     break_reasons: list[str]
     ranges: Optional[Any] = None  # a fxamp.debug.RangeTable, with explain(ranges=True)
+    eager_modules: list[str] = dataclasses.field(default_factory=list)  # not traced (RNNs)
 
     @property
     def casts_inserted(self) -> int:
@@ -77,6 +80,9 @@ class Explanation:
                f"casts inserted: {self.casts_inserted} (+{self.boundary_casts} at the model "
                f"boundary) | ops kept in fp32: {self.ops_in_fp32}"]
         out += [f"  break: {r.splitlines()[0]}" for r in self.break_reasons]
+        if self.eager_modules:
+            out += [f"!! run eagerly, not traced by Dynamo: {', '.join(self.eager_modules)}; "
+                    f"they get {eager_policy(c)}"]
         for i, g in enumerate(self.graphs):
             out += ["", f"== forward graph {i} (after fxamp) ==", format_graph(g.graph_module)]
         for i, g in enumerate(self.backward_graphs):
@@ -126,7 +132,7 @@ class _Recorder:
         return make_boxed_func(gm.forward)
 
 
-def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
+def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: Optional[str] = None,
             backward: bool = False, config: Optional[AmpConfig] = None,
             ranges: bool = False, **overrides: Any) -> Explanation:
     """Run `model_or_fn(*example_inputs)` under fxamp (eagerly, no Inductor) and report.
@@ -136,7 +142,8 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
     Args:
         model_or_fn: an nn.Module or a function of tensors.
         *example_inputs: inputs to run it on once.
-        opt_level, config, **overrides: as for `fxamp.compile`.
+        opt_level, config, **overrides: as for `fxamp.compile` (O1 unless given; config and
+            opt_level/overrides together are refused).
         backward: also run backward on the sum of the floating outputs and record the
             backward graphs AOTAutograd derived from the transformed forward.
         ranges: also measure every op's values on `example_inputs` against the fp16 limits
@@ -145,10 +152,11 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
     Returns:
         An Explanation: print it, or read `.rows`, `.casts_inserted`, `.graph_breaks`.
     """
-    config = config or AmpConfig.from_opt_level(opt_level, **overrides)
+    config = entry_config(config, opt_level, overrides, "fxamp.explain")
     target = model_or_fn
     if isinstance(target, torch.nn.Module):
         device = _check_model(target)
+        check_module_overrides(target, config)
         target = copy.deepcopy(target)
         config = config.resolve(config.device_type or device.type)
         cast_model(target, config)
@@ -185,6 +193,6 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: str = "O1",
         from fxamp.debug.ranges import range_stats  # lazily: fxamp.debug imports the backend
 
         table = range_stats(model_or_fn, [example_inputs], backward=backward, config=config)
+    eager = untraced_modules(model_or_fn) if isinstance(model_or_fn, torch.nn.Module) else []
     return Explanation(graphs[0].config if graphs else config, graphs, recorder.backward, rows,
-                       len(reasons), reasons,
-                       table)
+                       len(reasons), reasons, table, eager)

@@ -21,7 +21,8 @@ from fxamp.errors import ConfigError
 from fxamp.policy import CastPolicy, preset_table
 
 __all__ = ["choose_policy", "module_path", "match_module_override", "register_rule",
-           "castable_args", "is_compute_op", "check_op_override_keys", "USER_CAST_OPS"]
+           "castable_args", "is_compute_op", "check_op_override_keys", "check_module_overrides",
+           "USER_CAST_OPS", "ONE_DTYPE_OPS"]
 
 aten = torch.ops.aten
 
@@ -30,6 +31,11 @@ USER_CAST_OPS = frozenset(op for op in (
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default,
     aten.type_as.default,
 ) if isinstance(op, OpOverload))
+
+# Ops whose kernels take one floating dtype (matmuls, convolutions, attention): the ops
+# torch.autocast lowers on CUDA. A policy that hands them mixed dtypes cannot run.
+ONE_DTYPE_OPS = frozenset(op for op, p in preset_table("torch-cuda").items()
+                          if p is CastPolicy.LOWER)
 
 BATCH_NORM_OPS = frozenset((aten.batch_norm.default, aten.instance_norm.default))
 
@@ -128,6 +134,26 @@ def check_op_override_keys(config: AmpConfig) -> None:
                 f"op_overrides key {key!r} is not an ATen op or overload "
                 "(write it as 'aten.softmax' or 'aten.softmax.int')"
             )
+
+
+def check_module_overrides(model: torch.nn.Module, config: AmpConfig) -> None:
+    """Every module_overrides key must name a class or match a path of `model`'s modules (a
+    typo would otherwise leave the module it meant in the low dtype, silently)."""
+    modules = list(model.named_modules())
+    for pattern, _ in config.module_overrides:
+        if any(pattern == type(m).__name__ or fnmatch.fnmatchcase(path, pattern)
+               for path, m in modules):
+            continue
+        classes = sorted({type(m).__name__ for _, m in modules})
+        paths = [path for path, _ in modules if path]
+        raise ConfigError(
+            f"module_overrides key {pattern!r} names no module of {type(model).__name__}: keys "
+            f"are module class names ({_some(classes)}) or named_modules() paths, globs allowed "
+            f"({_some(paths)}, 'blocks.*.ln_1')")
+
+
+def _some(names: list[str], n: int = 6) -> str:
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
 
 
 def _traced_in(node: torch.fx.Node, path: str) -> bool:

@@ -25,13 +25,14 @@ import torch.fx as fx
 
 from fxamp import _compat
 from fxamp._compat import make_boxed_func, pytree
+from fxamp.arguments import entry_config
 from fxamp.backend import _BACKEND_ATTR, FxampBackend, _check_model, config_of
 from fxamp.cast_model import boundary_forward, cast_model
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.insert_casts import CastInfo
-from fxamp.rules import module_path
+from fxamp.rules import check_module_overrides, module_path
 
 __all__ = ["GraphRecord", "Origin", "InstrumentingCompiler", "origin_of", "tensors_of",
            "display_name", "describe_config",
@@ -221,7 +222,7 @@ def prepare(model_or_fn: Callable, inner: Callable, *, config: Optional[AmpConfi
     it); any other module is copied and cast like `fxamp.compile` would.
     """
     if not isinstance(model_or_fn, torch.nn.Module):
-        config = config or AmpConfig.from_opt_level(opt_level or "O1", **overrides)
+        config = entry_config(config, opt_level, overrides, "fxamp.debug")
         fxamp_backend = FxampBackend(config, compiler=inner)
         return torch.compile(model_or_fn, backend=fxamp_backend), fxamp_backend
     existing = config_of(model_or_fn)
@@ -234,7 +235,8 @@ def prepare(model_or_fn: Callable, inner: Callable, *, config: Optional[AmpConfi
         model, config = _private_copy(model_or_fn), existing
     else:
         device = _check_model(model_or_fn)
-        config = config or AmpConfig.from_opt_level(opt_level or "O1", **overrides)
+        config = entry_config(config, opt_level, overrides, "fxamp.debug")
+        check_module_overrides(model_or_fn, config)
         config = config.resolve(config.device_type or device.type)
         model = copy.deepcopy(model_or_fn)
         cast_model(model, config)
@@ -244,6 +246,13 @@ def prepare(model_or_fn: Callable, inner: Callable, *, config: Optional[AmpConfi
 
 def call_model(fn: Callable, batch: Any, with_target: bool) -> tuple[Any, Any]:
     """(outputs, target): `batch` is the model's inputs, or `(inputs, target)` with a loss_fn."""
+    if with_target and not (isinstance(batch, (tuple, list)) and len(batch) == 2):
+        what = (f"a Tensor of shape {tuple(batch.shape)}" if isinstance(batch, torch.Tensor)
+                else f"a {type(batch).__name__}" + (f" of {len(batch)}" if
+                                                    isinstance(batch, (tuple, list)) else ""))
+        raise ConfigError(f"with a loss_fn, batch is the pair (inputs, target) a DataLoader "
+                          f"yields, not {what}; pass (x, y), or no loss_fn to differentiate "
+                          "the sum of the outputs")
     inputs, target = batch if with_target else (batch, None)
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     try:

@@ -10,10 +10,12 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 
+from fxamp.arguments import check_compiler, check_model_list
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.optim import optimizers
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
+from fxamp.optim.fp16_optimizer import _check_inner as check_wrappable
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.optimizer import FusedOptimizer
 
@@ -59,10 +61,12 @@ def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool =
     if not enabled:
         return models if optimizers is None else (models, optimizers)
     config = AmpConfig.from_opt_level(opt_level, num_losses=num_losses, **overrides)
+    check_compiler(compiler, None, None)
     model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
     opt_list, opts_was_list = _as_list(optimizers, object, "optimizers")
-    _check_models(model_list)
+    _check_models(model_list, config)
     _check_optimizers(opt_list)
+    # Everything is checked: from here on models and optimizers change.
     from fxamp.backend import compile as _compile  # lazily: the backend imports the passes
     compiled = [_compile(m, config=config, compiler=compiler) for m in model_list]
     inductor = compiler == "inductor"
@@ -88,33 +92,49 @@ def _as_list(value: Any, kind: type, what: str) -> tuple[list, bool]:
     return [value], False
 
 
-def _check_models(models: list) -> None:
-    for i, model in enumerate(models):
-        if not isinstance(model, torch.nn.Module):
-            raise ConfigError(f"models[{i}] is a {type(model).__name__}, not a torch.nn.Module")
+def _check_models(models: list, config: AmpConfig) -> None:
+    from fxamp.backend import _check_model  # lazily, as compile
+    from fxamp.rules import check_module_overrides
+
+    def check_one(model: torch.nn.Module) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            raise ConfigError(f"models[{i}] is already wrapped in DistributedDataParallel; call "
+            raise ConfigError("it is already wrapped in DistributedDataParallel; call "
                               "initialize first and wrap the returned model afterwards")
+        _check_model(model)
+        check_module_overrides(model, config)
+
+    check_model_list(models, check_one)
 
 
 def _check_optimizers(opts: list) -> None:
     seen: dict[int, int] = {}
     owner: dict[int, int] = {}  # parameter id -> optimizer index
     for i, opt in enumerate(opts):
-        if not isinstance(opt, torch.optim.Optimizer):
-            raise ConfigError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch "
-                              "optimizer (pass bare optimizers, not FP16_Optimizer)")
-        if id(opt) in seen:
-            raise ConfigError(f"optimizers[{seen[id(opt)]}] and optimizers[{i}] are the same "
-                              f"{type(opt).__name__}: an optimizer passed twice would be "
-                              "converted twice; pass each optimizer once")
-        seen[id(opt)] = i
+        _check_optimizer(i, opt, seen)
         for group in opt.param_groups:
             for p in group["params"]:
                 if owner.setdefault(id(p), i) != i:
                     raise ConfigError(f"a parameter of shape {tuple(p.shape)} is in both "
                                       f"optimizers[{owner[id(p)]}] and optimizers[{i}]; each "
                                       "parameter can live in one flat buffer only")
+
+
+def _check_optimizer(i: int, opt: Any, seen: dict[int, int]) -> None:
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch "
+                          "optimizer (pass bare optimizers, not FP16_Optimizer)")
+    if id(opt) in seen:
+        raise ConfigError(f"optimizers[{seen[id(opt)]}] and optimizers[{i}] are the same "
+                          f"{type(opt).__name__}: an optimizer passed twice would be "
+                          "converted twice; pass each optimizer once")
+    seen[id(opt)] = i
+    if not any(group["params"] for group in opt.param_groups):
+        raise ConfigError(f"optimizers[{i}] ({type(opt).__name__}) has no parameters")
+    if _native_class(opt) is None:  # it will be wrapped: refuse now what the wrapper would
+        try:
+            check_wrappable(opt)
+        except ConfigError as e:
+            raise ConfigError(f"optimizers[{i}]: {e}") from None
 
 
 _NATIVE = {torch.optim.AdamW: optimizers.AdamW, torch.optim.Adam: optimizers.Adam,

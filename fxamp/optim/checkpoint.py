@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fxamp import validation
 from fxamp.errors import ConfigError
+from fxamp.optim import param_checks
 
 if TYPE_CHECKING:
     from fxamp.optim.optimizer import FusedOptimizer
@@ -61,22 +63,21 @@ def state_dict(opt: "FusedOptimizer") -> dict[str, Any]:
 
 
 def load_state_dict(opt: "FusedOptimizer", sd: dict[str, Any]) -> None:
-    saved_groups = sd.get("param_groups")
-    if saved_groups is None or "state" not in sd:
-        raise ConfigError(f"not an optimizer state dict: keys {sorted(sd)}; expected 'state' "
-                          "and 'param_groups'")
-    _check_groups(opt, saved_groups)
+    """Check the whole dict against `opt` first, then copy it in (nothing changes on a refusal)."""
+    if not isinstance(sd, dict) or "param_groups" not in sd or "state" not in sd:
+        keys = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
+        raise ConfigError(f"not an optimizer state dict: {keys}; expected 'state' and "
+                          "'param_groups'")
+    _check_groups(opt, sd["param_groups"])
     params = [p for group in opt.param_groups for p in group["params"]]
-    for group, saved in zip(opt.param_groups, saved_groups):
+    entries = _checked_entries(opt, sd["state"], params)
+    for group, saved in zip(opt.param_groups, sd["param_groups"]):
         group.update((k, v) for k, v in saved.items() if k != "params")
     saw_step = loaded = False
     with torch.no_grad():
-        for index, entry in sd["state"].items():
-            live = opt.state.get(params[int(index)])
-            if live is None:  # a frozen parameter: not flattened, no state
-                continue
+        for live, entry, param in entries:
             saw_step |= "step" in entry
-            loaded |= _load_entry(live, entry, params[int(index)])
+            loaded |= _load_entry(live, entry, param)
         if loaded and not saw_step:
             # torch's SGD keeps no step; a loaded momentum buffer means the first step is past.
             opt._step_count.clamp_(min=1)
@@ -85,14 +86,45 @@ def load_state_dict(opt: "FusedOptimizer", sd: dict[str, Any]) -> None:
     log.debug("%s: loaded state for %d parameters", type(opt).__name__, len(sd["state"]))
 
 
+def _checked_entries(opt: "FusedOptimizer", state: Any, params: list) -> list[tuple]:
+    """(live state, saved entry, parameter) per saved entry, every index, shape and step
+    checked; entries of frozen parameters (not flattened, no state) are left out."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"the state dict's 'state' is a {type(state).__name__}, not a dict")
+    out = []
+    for index, entry in state.items():
+        if not (isinstance(index, int) or str(index).isdigit()) or int(index) >= len(params):
+            raise ConfigError(f"state entry {index!r} names no parameter: this "
+                              f"{type(opt).__name__} has {len(params)} (indices 0..."
+                              f"{len(params) - 1}); is the state dict from another model?")
+        param = params[int(index)]
+        live = opt.state.get(param)
+        if live is not None:
+            _check_entry(live, entry, param, int(index))
+            out.append((live, entry, param))
+    return out
+
+
+def _check_entry(live: dict[str, Any], entry: Any, param: torch.Tensor, index: int) -> None:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"state entry {index} is a {type(entry).__name__}, not a dict")
+    for key, value in entry.items():
+        if key == "step":
+            step = value.item() if isinstance(value, torch.Tensor) else value
+            validation.non_negative(step, f"state[{index}]['step']")
+        elif key in live and (not isinstance(value, torch.Tensor)
+                              or tuple(value.shape) != tuple(live[key].shape)):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ConfigError(f"state {key!r} of parameter {index} has shape {shape} in the "
+                              f"state dict but the parameter has shape {tuple(param.shape)}; is "
+                              "the state dict from another model?")
+
+
 def _load_entry(live: dict[str, Any], entry: dict[str, Any], param: torch.Tensor) -> bool:
     for key, value in entry.items():
         if key == "step":
             live["step"].copy_(torch.as_tensor(value, dtype=torch.float32))
         elif key in live:
-            if tuple(value.shape) != tuple(live[key].shape):
-                raise ConfigError(f"state {key!r} has shape {tuple(value.shape)} in the state "
-                                  f"dict but the parameter has shape {tuple(param.shape)}")
             live[key].copy_(value)
         else:
             log.warning("ignoring state %r: this optimizer keeps no such state", key)
@@ -101,11 +133,18 @@ def _load_entry(live: dict[str, Any], entry: dict[str, Any], param: torch.Tensor
     return any(k != "step" for k in entry)
 
 
-def _check_groups(opt: "FusedOptimizer", saved_groups: list[dict[str, Any]]) -> None:
-    if len(saved_groups) != len(opt.param_groups):
-        raise ConfigError(f"the state dict has {len(saved_groups)} param groups, this "
-                          f"{type(opt).__name__} has {len(opt.param_groups)}")
+def _check_groups(opt: "FusedOptimizer", saved_groups: Any) -> None:
+    owner = type(opt).__name__
+    if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(opt.param_groups):
+        count = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else "no list of"
+        raise ConfigError(f"the state dict has {count} param groups, this {owner} has "
+                          f"{len(opt.param_groups)}")
     for i, (group, saved) in enumerate(zip(opt.param_groups, saved_groups)):
+        if not isinstance(saved, dict) or not isinstance(saved.get("params"), (list, tuple)):
+            raise ConfigError(f"param group {i} of the state dict is not a dict with a 'params' "
+                              "list")
         if len(group["params"]) != len(saved["params"]):
             raise ConfigError(f"param group {i} of the state dict has {len(saved['params'])} "
                               f"parameters, this optimizer's has {len(group['params'])}")
+        merged = {**group, **{k: v for k, v in saved.items() if k != "params"}}
+        param_checks.check_hyperparameters(merged, i, f"{owner}.load_state_dict")

@@ -46,6 +46,7 @@ class GradientFolding:
               accs: Sequence[torch.Tensor]) -> None:
         inv_scale = fused_step.inverse(scaler.state_tensors(self._device)[0])
         self._fold_fn(raws, accs, inv_scale, scaler.round_found(self._device))
+        scaler.scaled_graphs.mark_done(self)
         if scaler not in self._involved:
             self._involved.append(scaler)
             scaler.join_round(id(self))

@@ -13,7 +13,9 @@ elementwise pass over gradients, weights and states.
 # Note [Skipping without a host read]
 Overflow never leaves the device. The prologue advances the step count by `~found_inf`, and the
 update writes `where(skip, old, new)` into every weight, state and model parameter, so a skipped
-step leaves all of them bit-identical (the model copy is the cast of an unchanged master). The
+step leaves all of them bit-identical (the model copy is the cast of an unchanged master). A
+step is also skipped when the loss scale itself is not a positive finite number, so no weight
+is ever updated by gradients divided by 0, inf or NaN. The
 Python side only learns about it when someone asks (`last_step_skipped()`).
 
 # Note [One compiled step per optimizer]
@@ -41,7 +43,7 @@ import torch
 
 from fxamp._compat import compile_fresh
 from fxamp.optim import distributed
-from fxamp.optim.scale_rule import ScaleRule, next_scale_state
+from fxamp.optim.scale_rule import ScaleRule, next_scale_state, scale_is_valid
 
 __all__ = ["prologue", "update", "fold_grads", "inverse", "compiled", "eager"]
 
@@ -74,6 +76,7 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
     inv_scale = torch.ones((), dtype=torch.float32, device=step.device)
     if scaler_state is not None:
         inv_scale = inverse(scaler_state[0])
+        found = found | ~scale_is_valid(scaler_state[0])  # never step by 1/0 or 1/nan
     grad_scale = inv_scale
     if max_norm is not None:  # torch.nn.utils.clip_grad_norm_'s formula, on unscaled grads
         # Unscaled after the reduction: inside it, 1/scale would be recomputed per vector (see
@@ -123,7 +126,7 @@ def fold_grads(raws: Sequence[Tensor], accs: Sequence[Tensor], inv_scale: Tensor
     `found` is the scaler's flag for the current step. `inv_scale` comes in computed (see
     `inverse`): a reciprocal inside this graph would be recomputed per vector.
     """
-    flag = found
+    flag = found | ~scale_is_valid(inv_scale)  # the scale was 0, negative, inf or nan
     for raw, acc in zip(raws, accs):
         flag = flag | ~torch.isfinite(raw).all()
         acc.add_(raw.to(acc.dtype) * inv_scale)

@@ -15,7 +15,10 @@ import torch
 
 from fxamp.config import AmpConfig, _as_loss_scale
 from fxamp.errors import ConfigError
-from fxamp.optim.scale_rule import UNSET, build_rule, compiled_update, update_in_place
+from fxamp.optim.scale_rule import (UNSET, build_rule, check_scale_value, compiled_update,
+                                    update_in_place)
+from fxamp.optim.scaled_graphs import ScaledGraphs
+from fxamp.optim.state_checks import parse_scaler_state
 
 __all__ = ["LossScaler"]
 
@@ -29,11 +32,12 @@ class LossScaler:
         loss_scale: "dynamic", or a positive number (or numeric string) for a static scale.
         semantics: the dynamic rule: "apex" (default: start 2**16, halve on overflow floored at
             `min_loss_scale`, double after 2000 clean steps capped at `max_loss_scale` = 2**24),
-            "torch" (GradScaler: no caps, growth only while finite) or "deepspeed" (back off after
-            `hysteresis` = 2 overflows, double after 1000 clean steps, floor 1).
+            "torch" (GradScaler: no cap, growth only while finite) or "deepspeed" (back off after
+            `hysteresis` = 2 overflows, double after 1000 clean steps).
         init_scale, growth_factor, backoff_factor, growth_interval, min_loss_scale,
-        max_loss_scale, hysteresis: override the semantics' defaults (None for min/max means
-            no floor/cap).
+        max_loss_scale, hysteresis: override the semantics' defaults. `min_loss_scale` (None:
+            the default 1.0) is the floor of every dynamic scale and must be positive (Note [The
+            scale has a floor] in scale_rule.py); `max_loss_scale=None` means no cap.
         consecutive_hysteresis: DeepSpeed's option: refill the hysteresis on every clean step
             rather than only when the scale grows.
         compile: trace the standalone update with torch.compile (the fused optimizer step always
@@ -41,7 +45,11 @@ class LossScaler:
 
     A static scale never changes, but a step with inf/nan gradients is still skipped (Apex would
     apply it). DeepSpeed raises at the minimum scale; here the scale stays at the floor instead,
-    because raising would need a host read every step.
+    because raising would need a host read every step. A step is also skipped if the scale is
+    not a positive finite number (only a hand-written `scale_tensor` can make it so).
+
+    Raises:
+        ConfigError: any value outside its range, named with the range.
     """
 
     def __init__(self, loss_scale: Union[float, str] = "dynamic", *, semantics: str = "apex",
@@ -63,6 +71,7 @@ class LossScaler:
         self._found: Optional[torch.Tensor] = None
         self._round: set[int] = set()
         self._update = compiled_update() if compile else update_in_place
+        self.scaled_graphs = ScaledGraphs(self)  # Note [A scaled backward awaits its step]
 
     @classmethod
     def from_config(cls, config: AmpConfig, **kwargs: Any) -> "LossScaler":
@@ -92,10 +101,16 @@ class LossScaler:
         return self._state
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss` in fp32 times the current scale (a device multiply, no host read)."""
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(f"LossScaler.scale expects a tensor, got {type(loss).__name__}")
-        return loss.float() * self.state_tensors(loss.device)[0]
+        """`loss` in fp32 times the current scale (a device multiply, no host read).
+
+        Step the optimizers this loss reaches with `opt.step(scaler)`: a step without the
+        scaler would apply scaled gradients, and is refused (Note [A scaled backward awaits its
+        step] in scaled_graphs.py).
+        """
+        _check_loss(loss)
+        scaled = loss.float() * self.state_tensors(loss.device)[0]
+        self.scaled_graphs.watch(scaled)
+        return scaled
 
     @property
     def scale_tensor(self) -> torch.Tensor:
@@ -108,8 +123,7 @@ class LossScaler:
 
     def set_scale(self, value: float) -> None:
         """Overwrite the current scale (for static scales set by hand, like Apex's setter)."""
-        if not value > 0:
-            raise ConfigError(f"loss scale {value!r} must be positive")
+        value = check_scale_value(value, "set_scale(value)")
         if self._state is None:
             self._init = (float(value), *self._init[1:])
         else:
@@ -155,18 +169,9 @@ class LossScaler:
         Apex's `amp.state_dict()` holds one entry per loss ("loss_scaler0", ...); pass the entry
         of this scaler, or use `fxamp.optim.load_amp_state_dict` for all of them.
         """
-        sd = _single_scaler_entry(state_dict)
-        if "loss_scale" in sd:  # Apex
-            scale, tracker = float(sd["loss_scale"]), int(sd["unskipped"])
-        elif "scale" in sd:  # GradScaler or fxamp
-            scale, tracker = float(sd["scale"]), int(sd.get("_growth_tracker", 0))
-            self.rule = self.rule._replace(**{
-                k: type(getattr(self.rule, k))(sd[k])
-                for k in ("growth_factor", "backoff_factor", "growth_interval") if k in sd})
-        else:
-            raise ConfigError(f"not a loss-scaler state dict: keys {sorted(sd)}; expected "
-                              "'scale' (fxamp, GradScaler) or 'loss_scale' and 'unskipped' (Apex)")
-        hyst = int(sd.get("hysteresis_left", self.rule.hysteresis))
+        scale, tracker, hyst, rule_fields = parse_scaler_state(
+            _single_scaler_entry(state_dict), self.rule)
+        self.rule = self.rule._replace(**rule_fields)  # every value was checked first
         if self._state is None:
             self._init = (scale, tracker, hyst)
         else:
@@ -177,6 +182,16 @@ class LossScaler:
     def __repr__(self) -> str:
         kind = "dynamic" if self.rule.dynamic else "static"
         return f"LossScaler({kind}, semantics={self.semantics!r}, device={self._device()})"
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(f"LossScaler.scale(loss) takes the loss tensor, not "
+                          f"{type(loss).__name__}")
+    if not loss.is_floating_point():
+        raise ConfigError(f"LossScaler.scale(loss) got a {loss.dtype} tensor; the loss must be "
+                          "a floating-point tensor computed from the model's output (an "
+                          "integer tensor has no gradient to scale)")
 
 
 def _single_scaler_entry(sd: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import checkpoint, distributed, fused_step
+from fxamp.optim import checkpoint, distributed, fused_step, param_checks, scaled_graphs
 from fxamp.optim.algorithms import LAMB, Algorithm
 from fxamp.optim.flat import FlatBucket, flatten_param_groups
 from fxamp.optim.folding import GradientFolding
@@ -46,10 +46,10 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
                  compile: bool = True, process_group: Any = distributed.AUTO) -> None:
         self._buckets: Optional[list[FlatBucket]] = None
-        super().__init__(params, defaults)
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ConfigError(f"max_grad_norm={max_grad_norm!r} must be a positive number or None")
-        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        owner = type(self).__name__
+        super().__init__(param_checks.as_param_list(params, owner), defaults)
+        param_checks.check_has_params(self.param_groups, owner)
+        self.max_grad_norm = param_checks.check_max_grad_norm(max_grad_norm)
         self.master_weights = master_weights
         self._fns = fused_step.compiled() if compile else fused_step.eager
         self._fold_fn = self._fns["fold_grads"]
@@ -57,7 +57,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._buckets = flatten_param_groups(self.param_groups, master_weights=master_weights,
                                              owner=type(self).__name__)
         self._init_group(process_group)
-        device = self.param_groups[0]["params"][0].device
+        device = next(p for g in self.param_groups for p in g["params"]).device
         self._init_device_state(device)
         self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
         self._raw_scaler: Optional[LossScaler] = None  # the scale the raw grads carry
@@ -95,11 +95,15 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._device = device
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        owner = type(self).__name__
         if self._buckets is not None:
-            raise ConfigError(f"{type(self).__name__} flattens its parameters when it is built, "
+            raise ConfigError(f"{owner} flattens its parameters when it is built, "
                               "so add_param_group afterwards is not supported; build a new "
                               "optimizer with all the groups")
+        param_checks.check_new_group(param_group, self.param_groups, owner)
         super().add_param_group(param_group)
+        param_checks.check_hyperparameters(self.param_groups[-1], len(self.param_groups) - 1,
+                                           owner)
 
     @property
     def buckets(self) -> list[FlatBucket]:
@@ -122,8 +126,11 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         """
         if callable(scaler) and not isinstance(scaler, LossScaler):
             scaler, closure = None, scaler  # torch.optim's positional closure
+        _check_scaler_arg(scaler, "step")
         pending = scaler or self._raw_scaler  # the scale the raw gradients carry, if known
         scaler = pending or self._default_scaler()
+        if scaler is None:
+            scaled_graphs.check_no_pending_scale(self, self._flat_params(), "step")
         loss = self._call_closure(closure, scaler)
         if not self._buckets:
             return loss
@@ -155,6 +162,8 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     def _fused_step(self, grads, scaler: Optional[LossScaler], *, check: bool,
                     found_in: Optional[torch.Tensor] = None) -> None:
         state = None if scaler is None else scaler.state_tensors(self._device)
+        if scaler is not None:
+            scaler.scaled_graphs.mark_done(self)
         coefs = self._fns["prologue"](
             grads, self._hyper, self._step_count, self.found_inf, self.grad_norm, state, found_in,
             coefs_fn=self.algorithm.coefs, check=check, max_norm=self.max_grad_norm,
@@ -193,9 +202,13 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         read unscaled gradients (`fxamp.optim.master_params`); `step` folds the rest and skips
         if any folded scaler saw an overflow. Each scaler then moves by its own overflow.
         """
+        _check_scaler_arg(scaler, "unscale_")
         if scaler is None and self._raw_scaler is None and self._involved:
             return  # everything since the last backward is folded already
-        scaler = scaler or self._raw_scaler or self._default_scaler() or self._unit
+        scaler = scaler or self._raw_scaler or self._default_scaler()
+        if scaler is None:
+            scaled_graphs.check_no_pending_scale(self, self._flat_params(), "unscale_")
+            scaler = self._unit
         for b in self._buckets:
             if b.acc is None:
                 b.acc = torch.zeros(b.grad.shape, dtype=torch.float32, device=self._device)
@@ -223,6 +236,10 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         `.grad` views must stay in the flat buffer."""
         for bucket in self._buckets:
             bucket.zero_grad()
+        scaled_graphs.release_pending(self)
+
+    def _flat_params(self) -> list[torch.Tensor]:
+        return [p for b in self._buckets for p in b.params]
 
     def last_step_skipped(self) -> bool:
         """Whether the last step was skipped for inf/nan gradients. Reads the device flag."""
@@ -237,3 +254,14 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         """Load fxamp's or torch.optim's state dict (masters come from the parameters when the
         dict has none) into the existing flat buffers."""
         checkpoint.load_state_dict(self, state_dict)
+
+
+def _check_scaler_arg(scaler: Any, call: str) -> None:
+    if scaler is None or isinstance(scaler, LossScaler):
+        return
+    hint = ""
+    if isinstance(scaler, torch.amp.GradScaler):
+        hint = ("; build fxamp.optim.LossScaler(semantics='torch') instead (its "
+                "load_state_dict takes the GradScaler's state_dict())")
+    raise ConfigError(f"{call}(scaler) takes an fxamp.optim.LossScaler (or nothing), not "
+                      f"{type(scaler).__name__}{hint}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.optim import algorithms
 from fxamp.optim.distributed import AUTO
@@ -23,13 +24,8 @@ _COMMON_ARGS = """
             when torch.distributed is initialized with more than one rank; None: no agreement."""
 
 
-def _check_betas(betas: Any, lr: Any, eps: Any) -> None:
-    if not 0.0 <= float(lr):
-        raise ConfigError(f"lr={lr!r} must be >= 0")
-    if not 0.0 <= float(eps):
-        raise ConfigError(f"eps={eps!r} must be >= 0")
-    if len(betas) != 2 or not all(0.0 <= float(b) < 1.0 for b in betas):
-        raise ConfigError(f"betas={betas!r} must be two numbers in [0, 1)")
+def _tuple(betas: Any) -> Any:
+    return tuple(betas) if isinstance(betas, list) else betas  # torch.optim stores a tuple
 
 
 class Adam(FusedOptimizer):
@@ -47,8 +43,7 @@ class Adam(FusedOptimizer):
                  eps: float = 1e-8, weight_decay: float = 0.0, *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
                  compile: bool = True, process_group: Any = AUTO) -> None:
-        _check_betas(betas, lr, eps)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        defaults = dict(lr=lr, betas=_tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,
                          master_weights=master_weights, compile=compile,
                          process_group=process_group)
@@ -86,9 +81,8 @@ class SGD(FusedOptimizer):
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
                  compile: bool = True, process_group: Any = AUTO) -> None:
-        if not 0.0 <= float(lr) or not 0.0 <= float(momentum):
-            raise ConfigError(f"lr={lr!r} and momentum={momentum!r} must be >= 0")
-        if nesterov and (momentum <= 0 or dampening != 0):
+        if nesterov and (validation.non_negative(momentum, "momentum") <= 0
+                         or validation.non_negative(dampening, "dampening") != 0):
             raise ConfigError("nesterov=True needs momentum > 0 and dampening = 0 "
                               f"(got momentum={momentum!r}, dampening={dampening!r})")
         defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
@@ -118,8 +112,7 @@ class LAMB(FusedOptimizer):
                  use_nvlamb: bool = False, bias_correction: bool = True,
                  max_grad_norm: Optional[float] = 1.0, master_weights: bool = True,
                  compile: bool = True, process_group: Any = AUTO) -> None:
-        _check_betas(betas, lr, eps)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        defaults = dict(lr=lr, betas=_tuple(betas), eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, use_nvlamb=use_nvlamb,
                         bias_correction=bias_correction)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,

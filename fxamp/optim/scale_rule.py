@@ -6,28 +6,45 @@ prologue graph and the scale moves on the device; `LossScaler.update` runs it on
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple, Optional
 
 import torch
 
+from fxamp import validation
 from fxamp._compat import compile_fresh
 from fxamp.errors import ConfigError
 
-__all__ = ["ScaleRule", "SEMANTICS", "UNSET", "build_rule", "next_scale_state",
-           "update_in_place", "compiled_update"]
+__all__ = ["ScaleRule", "SEMANTICS", "UNSET", "DEFAULT_MIN_LOSS_SCALE", "build_rule",
+           "next_scale_state", "update_in_place", "compiled_update", "check_scale_value",
+           "scale_is_valid"]
 
 SEMANTICS = ("apex", "torch", "deepspeed")
+
+# Note [The scale has a floor]
+# A dynamic scale that halves on every overflow reaches exactly 0 in fp32 after ~166 overflows
+# in a row (a NaN loss does that), and at 0 nothing can grow it back: every later step would be
+# skipped, or worse apply 0 * inf. Apex kept its scale as a Python float (about 1000 halvings
+# from 0) and DeepSpeed floors it at 1; torch's GradScaler has no floor. fxamp floors every
+# dynamic scale at `min_loss_scale`, 1.0 unless given: below 1 a scale only shrinks gradients
+# that overflow unscaled, which loss scaling cannot fix. A lower floor can be asked for (any
+# positive number); none at all cannot.
+DEFAULT_MIN_LOSS_SCALE = 1.0
+_FLOOR_HINT = (f" (the floor of a dynamic scale, {DEFAULT_MIN_LOSS_SCALE} by default; pass a "
+               "smaller positive number such as 2**-24 for a lower floor)")
+
 
 # Defaults per semantics (see ../../../shared/reference/AMP_SEMANTICS.md, "Loss scaling").
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "apex": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                 min_loss_scale=None, max_loss_scale=2.0**24, hysteresis=1),
+                 min_loss_scale=DEFAULT_MIN_LOSS_SCALE, max_loss_scale=2.0**24, hysteresis=1),
     "torch": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                  min_loss_scale=None, max_loss_scale=None, hysteresis=1),
+                  min_loss_scale=DEFAULT_MIN_LOSS_SCALE, max_loss_scale=None,
+                  hysteresis=1),
     "deepspeed": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
                       growth_interval=1000, min_loss_scale=1.0, max_loss_scale=None, hysteresis=2),
 }
-UNSET: Any = object()  # an argument left out; None means no floor/cap
+UNSET: Any = object()  # an argument left out
 
 
 class ScaleRule(NamedTuple):
@@ -37,7 +54,7 @@ class ScaleRule(NamedTuple):
     growth_factor: float
     backoff_factor: float
     growth_interval: int
-    min_scale: Optional[float]
+    min_scale: float
     max_scale: Optional[float]
     hysteresis: int
     consecutive_hysteresis: bool
@@ -51,13 +68,12 @@ def next_scale_state(scale: torch.Tensor, tracker: torch.Tensor, hysteresis: tor
     Apex: halve on overflow (floored at min), double after `growth_interval` clean steps (capped
     at max). torch: the same without caps, growth only to a finite value. DeepSpeed: back off only
     once `hysteresis` overflows have been seen since the last growth (or the last clean step with
-    `consecutive_hysteresis`). All selects, no host reads.
+    `consecutive_hysteresis`). A scale that is not a positive finite number (written into
+    `scale_tensor` by hand) restarts at the floor. All selects, no host reads.
     """
     if not rule.dynamic:
         return scale, tracker, hysteresis
-    backed = scale * rule.backoff_factor
-    if rule.min_scale is not None:
-        backed = backed.clamp_min(rule.min_scale)
+    backed = (scale * rule.backoff_factor).clamp_min(rule.min_scale)
     clean = tracker + 1
     grow = ~found_inf & (clean >= rule.growth_interval)
     grown = scale * rule.growth_factor
@@ -67,12 +83,20 @@ def next_scale_state(scale: torch.Tensor, tracker: torch.Tensor, hysteresis: tor
         grown = torch.where(torch.isfinite(grown), grown, scale)
     back_off = found_inf & (hysteresis <= 1)
     new_scale = torch.where(back_off, backed, torch.where(grow, grown, scale))
+    new_scale = torch.where(scale_is_valid(scale), new_scale,
+                            torch.full_like(scale, rule.min_scale))
     new_tracker = torch.where(found_inf | grow, torch.zeros_like(clean), clean)
     reset = ~found_inf if rule.consecutive_hysteresis else grow
     full = torch.full_like(hysteresis, rule.hysteresis)
     new_hysteresis = torch.where(found_inf, (hysteresis - 1).clamp_min(1),
                                  torch.where(reset, full, hysteresis))
     return new_scale, new_tracker, new_hysteresis
+
+
+def scale_is_valid(scale: torch.Tensor) -> torch.Tensor:
+    """Whether a scale tensor is a positive finite number (a device bool, no host read); a step
+    whose scale is not is skipped (Note [Skipping without a host read] in fused_step.py)."""
+    return torch.isfinite(scale) & (scale > 0)
 
 
 def update_in_place(scale, tracker, hysteresis, found_inf, rule: ScaleRule) -> None:
@@ -87,40 +111,56 @@ def compiled_update():
     return compile_fresh(update_in_place, fullgraph=True, dynamic=False)
 
 
-def _opt_float(value: Any) -> Optional[float]:
-    return None if value is None else float(value)
-
-
 def build_rule(semantics: str, dynamic: bool, consecutive_hysteresis: bool,
-                overrides: dict[str, Any]) -> tuple[ScaleRule, float]:
-    """The checked rule of `semantics` with `overrides` applied, and the initial scale."""
+               overrides: dict[str, Any]) -> tuple[ScaleRule, float]:
+    """The checked rule of `semantics` with `overrides` applied, and the initial scale.
+
+    None keeps a default, except for `max_loss_scale`, where it means "no cap". Every value is
+    checked (ConfigError names it and its valid range).
+    """
     if semantics not in SEMANTICS:
         raise ConfigError(f"semantics={semantics!r} is not one of {', '.join(SEMANTICS)}")
     d = dict(_DEFAULTS[semantics])
-    # None keeps a default, except for min/max where None means "no floor/cap".
     d.update((k, v) for k, v in overrides.items()
-             if v is not UNSET and (v is not None or k.endswith("loss_scale")))
+             if v is not UNSET and (v is not None or k == "max_loss_scale"))
+    max_scale = d["max_loss_scale"]
     rule = ScaleRule(
-        dynamic=dynamic, growth_factor=float(d["growth_factor"]),
-        backoff_factor=float(d["backoff_factor"]), growth_interval=int(d["growth_interval"]),
-        min_scale=_opt_float(d["min_loss_scale"]) or None,  # Apex: 0 means no floor
-        max_scale=_opt_float(d["max_loss_scale"]), hysteresis=int(d["hysteresis"]),
-        consecutive_hysteresis=bool(consecutive_hysteresis),
+        dynamic=dynamic,
+        growth_factor=_growth_factor(d["growth_factor"]),
+        backoff_factor=validation.fraction(d["backoff_factor"], "backoff_factor",
+                                           closed_low=False),
+        growth_interval=validation.positive_int(d["growth_interval"], "growth_interval"),
+        min_scale=validation.positive_finite(d["min_loss_scale"], "min_loss_scale",
+                                             _FLOOR_HINT),
+        max_scale=None if max_scale is None else validation.positive_finite(
+            max_scale, "max_loss_scale", " or None (no cap)"),
+        hysteresis=validation.positive_int(d["hysteresis"], "hysteresis"),
+        consecutive_hysteresis=validation.boolean(consecutive_hysteresis,
+                                                  "consecutive_hysteresis"),
         finite_growth_only=semantics == "torch")
-    _check_rule(rule)
-    init = float(d["init_scale"])
+    return rule, _initial_scale(d["init_scale"], rule)
+
+
+def _growth_factor(value: Any) -> float:
+    factor = validation.real(value, "growth_factor", "a finite number > 1")
+    if not (factor > 1 and math.isfinite(factor)):
+        raise ConfigError(f"growth_factor={value!r} must be a finite number > 1")
+    return factor
+
+
+def _initial_scale(value: Any, rule: ScaleRule) -> float:
+    init = validation.positive_finite(value, "init_scale")
     if rule.max_scale is not None:
+        if rule.min_scale > rule.max_scale:
+            raise ConfigError(f"min_loss_scale={rule.min_scale} exceeds max_loss_scale="
+                              f"{rule.max_scale}; the floor must be <= the cap")
         init = min(init, rule.max_scale)  # Apex caps the initial scale too
-    return rule, init
+    if init < rule.min_scale:
+        raise ConfigError(f"init_scale={value!r} is below min_loss_scale={rule.min_scale}; "
+                          "start at or above the floor, or lower min_loss_scale")
+    return init
 
 
-def _check_rule(rule: ScaleRule) -> None:
-    if not (rule.growth_factor > 1 and 0 < rule.backoff_factor < 1):
-        raise ConfigError(f"growth_factor={rule.growth_factor} must be > 1 and backoff_factor="
-                          f"{rule.backoff_factor} in (0, 1)")
-    if rule.growth_interval < 1 or rule.hysteresis < 1:
-        raise ConfigError(f"growth_interval={rule.growth_interval} and hysteresis="
-                          f"{rule.hysteresis} must be positive ints")
-    if rule.min_scale and rule.max_scale and rule.min_scale > rule.max_scale:
-        raise ConfigError(f"min_loss_scale={rule.min_scale} exceeds max_loss_scale="
-                          f"{rule.max_scale}")
+def check_scale_value(value: Any, what: str = "loss scale") -> float:
+    """A scale set by hand or loaded from a state dict: a positive finite number."""
+    return validation.positive_finite(value, what)

@@ -103,9 +103,9 @@ def test_fp16_optimizer_refuses_stepped_or_fxamp_optimizers():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(betas=(0.9, 1.0)), r"betas=\(0.9, 1.0\) must be two numbers in \[0, 1\)"),
-    (dict(lr=-1.0), "lr=-1.0 must be >= 0"),
-    (dict(max_grad_norm=0.0), "max_grad_norm=0.0 must be a positive number or None"),
+    (dict(betas=(0.9, 1.0)), r"AdamW: betas=\(0.9, 1.0\) must be two numbers in \[0, 1\)"),
+    (dict(lr=-1.0), "AdamW: lr=-1.0 must be a finite number >= 0"),
+    (dict(max_grad_norm=0.0), "max_grad_norm=0.0 must be a positive finite number or None"),
 ])
 def test_bad_hyperparameters(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -68,7 +68,7 @@ def _step(scaler, overflow):
     return scaler.get_scale()
 
 
-@pytest.mark.parametrize("min_scale,max_scale", [(None, 2.0**24), (2.0**14, 2.0**17)])
+@pytest.mark.parametrize("min_scale,max_scale", [(2.0**-24, 2.0**24), (2.0**14, 2.0**17)])
 def test_apex_rule_matches_apex(min_scale, max_scale):
     ours = LossScaler(semantics="apex", growth_interval=3, min_loss_scale=min_scale,
                       max_loss_scale=max_scale, compile=False)
@@ -161,7 +161,7 @@ def test_loads_apex_state_dict():
     (dict(loss_scale=-1.0), "positive finite"),
     (dict(semantics="apx"), "is not one of apex, torch, deepspeed"),
     (dict(min_loss_scale=8.0, max_loss_scale=4.0), "exceeds max_loss_scale"),
-    (dict(growth_factor=0.5), "growth_factor=0.5 must be > 1"),
+    (dict(growth_factor=0.5), "growth_factor=0.5 must be a finite number > 1"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,100 @@
+"""The call `fxamp.compile` installs on a model: the torch.compile'd forward, and what to do
+when it fails (un-prepare at a refused first call; name a model cast after fxamp.compile).
+
+# Note [Un-preparing a refused model]
+`fxamp.compile` checks everything it can before touching the model, but some refusals can only
+come from the graph: a banned op, batch_norm statistics in the wrong dtype, a graph break under
+`fullgraph=True`. They surface at the first call, after the weights were cast. So until a first
+call succeeds, the model keeps its original tensors (the cast's `CastRecord`), and a refusal at
+that call puts everything back: the original tensors (bit-identical), the state-dict hook, the
+compiled call and fxamp's marker. The user can then retry `fxamp.compile` with the fix that the
+error names. The cost is the original tensors' memory between `fxamp.compile` and the end of the
+first call (at O2, the fp32 weights next to their bf16 copies); they are freed as soon as it
+succeeds. A failure is only examined when it happens: a call that succeeds costs one Python
+method call more than the bare compiled function.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from fxamp._compat import BackendCompilerFailed, Unsupported, UserError
+from fxamp.cast_model import CastRecord, storage_dtype
+from fxamp.config import AmpConfig
+from fxamp.errors import ConfigError, FxampError
+
+__all__ = ["CompiledCall", "check_storage"]
+
+# Failures of compilation itself (the user's model did not fail): retrying can fix them.
+_COMPILE_FAILURES = (BackendCompilerFailed, Unsupported, UserError, FxampError, ConfigError)
+_RESTORED = ("fxamp restored the model as it was before fxamp.compile (weights, dtypes, "
+             "forward); fix the cause and call fxamp.compile on it again")
+
+
+class CompiledCall:
+    """`model._compiled_call_impl` as `fxamp.compile` sets it."""
+
+    def __init__(self, model: torch.nn.Module, compiled: Callable[..., Any], config: AmpConfig,
+                 unprepare: Optional[Callable[[], None]], record: Optional[CastRecord]) -> None:
+        self._model, self._compiled, self._config = model, compiled, config
+        self._unprepare, self._record = unprepare, record
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            out = self._compiled(*args, **kwargs)
+        except Exception as e:
+            self._fail(e)
+            raise
+        if self._unprepare is not None:  # the first call succeeded: nothing to undo any more
+            self._unprepare = None
+            self._record.release()
+        return out
+
+    def _fail(self, error: Exception) -> None:
+        try:
+            check_storage(self._model, self._config)  # Dynamo may fail on a recast model
+        except ConfigError as recast:                 # before the backend runs
+            raise recast from error
+        if self._unprepare is not None and isinstance(error, _COMPILE_FAILURES):
+            self._unprepare()
+            self._unprepare = None
+            raise _unwrapped(error) from None
+        inner = getattr(error, "inner_exception", None)
+        if isinstance(inner, (FxampError, ConfigError)):
+            raise inner from None  # fxamp's own message, not Dynamo's wrapper around it
+
+
+def check_storage(model: torch.nn.Module, config: AmpConfig) -> None:
+    """Refuse a model whose weights were cast after fxamp.compile (the backend calls this
+    whenever Dynamo compiles, which it does when a parameter's dtype changes)."""
+    recast = _recast_tensors(model, config)
+    if recast:
+        raise ConfigError(
+            f"{recast} of {type(model).__name__} changed dtype after fxamp.compile stored it "
+            f"for {config.opt_level} (model.float(), .half(), .to(dtype)); cast the model "
+            "before fxamp.compile, or rebuild it and compile it again")
+
+
+def _recast_tensors(model: torch.nn.Module, config: AmpConfig) -> Optional[str]:
+    for name, module in model.named_modules():
+        dtype = storage_dtype(name, module, config)
+        if dtype is None:
+            continue
+        # Parameters only: a cast of the model casts them all, while a buffer that forward
+        # reassigns may legitimately change dtype.
+        for key, t in module.named_parameters(recurse=False):
+            if t is not None and t.is_floating_point() and t.dtype not in (dtype, torch.float64):
+                where = f"{name}.{key}" if name else key
+                return f"{where!r} (now {t.dtype}, stored as {dtype})"
+    return None
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    inner = getattr(error, "inner_exception", None)
+    if isinstance(inner, (FxampError, ConfigError)):
+        error = inner
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        error.add_note(_RESTORED)
+    return error
