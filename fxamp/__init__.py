@@ -2,7 +2,7 @@
 
 from fxamp.backend import FxampBackend, backend, backend_of, compile, config_of
 from fxamp.config import AmpConfig
-from fxamp.errors import BannedOpError, ConfigError, FxampError
+from fxamp.errors import BannedOpError, ConfigError, EagerRegionWarning, FxampError
 from fxamp.policy import CastPolicy
 from fxamp.explain import Explanation, explain
 from fxamp.debug import SkipMonitor, locate_overflow, range_stats
@@ -16,6 +16,7 @@ __all__ = [
     "Explanation",
     "explain",
     "ConfigError",
+    "EagerRegionWarning",
     "FxampBackend",
     "FxampError",
     "backend",

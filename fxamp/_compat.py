@@ -40,7 +40,7 @@ __all__ = [
     "FWD_NN_MODULE_STACK", "PARTITIONER_TAG", "EXAMPLE_VALUE", "from_node_names",
     "active_ddp_module", "ddp_bucket_dtypes", "functional_all_reduce", "foreach_add_",
     "foreach_copy_", "HigherOrderOperator", "SET_GRAD_ENABLED", "make_fx_tracer",
-    "retrace_subgraph", "emit_call", "compile_time_metrics", "compile_cache_counters",
+    "retrace_subgraph", "emit_call", "dynamo_traces_rnns", "compile_time_metrics", "compile_cache_counters",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
@@ -267,3 +267,11 @@ def compile_cache_counters() -> dict[str, int]:
     """Hits, misses and bypasses of Inductor's FX graph cache and AOTAutograd's cache so far in
     this process. Checked on 2.11.0, 2.13.0, 2.14.1."""
     return {name: dynamo_counters[group][name] for group, name in _CACHE_COUNTERS}
+
+
+def dynamo_traces_rnns() -> bool:
+    """Whether Dynamo traces nn.RNN/GRU/LSTM (`torch._dynamo.config.allow_rnn`, off by default:
+    they run eagerly). Checked on 2.11.0, 2.13.0, 2.14.1."""
+    import torch._dynamo.config as dynamo_config
+
+    return bool(getattr(dynamo_config, "allow_rnn", False))

@@ -15,6 +15,8 @@ from fxamp.arguments import check_compile_flags, check_compiler, entry_config
 from fxamp.cast_model import CastRecord, boundary_forward, cast_model
 from fxamp.compiled_call import CompiledCall, check_storage
 from fxamp.config import AmpConfig
+from fxamp.copies import CompileSettings, forget_copyable, make_copyable
+from fxamp.eager_regions import warn_untraced, with_policy_autocast, without_autocast
 from fxamp.errors import ConfigError
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
@@ -81,6 +83,7 @@ class FxampBackend:
         self._key = (config.cache_key(), compiler if isinstance(compiler, str) else id(compiler),
                      mode, tuple(sorted((options or {}).items())))
         self._inner = _inner_compiler(compiler, mode, options)
+        self.compile_args = {"compiler": compiler, "mode": mode, "options": options}
         self.compiled_graphs: list[CompiledGraph] = []
         # The model fxamp.compile prepared (set by compile_module): each compile checks that
         # its weights were not cast since (Dynamo recompiles when a parameter's dtype changes).
@@ -103,14 +106,16 @@ class FxampBackend:
         if self.model is not None:
             check_storage(self.model, config)
         fake_mode = _compat.detect_fake_mode(example_inputs) or _compat.FakeTensorMode()
-        start = time.perf_counter()
-        aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
-        traced = time.perf_counter()
-        stats = run_passes(aten_gm, config, fake_mode)
-        self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
-                                                  time.perf_counter() - traced))
-        log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
-        return self._inner(aten_gm, example_inputs)
+        # Note [Eager regions run under autocast]: fxamp's graphs see only fxamp's policy.
+        with torch.autocast(config.device_type, enabled=False):
+            start = time.perf_counter()
+            aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
+            traced = time.perf_counter()
+            stats = run_passes(aten_gm, config, fake_mode)
+            self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
+                                                      time.perf_counter() - traced))
+            log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
+            return without_autocast(self._inner(aten_gm, example_inputs), config.device_type)
 
 
 def _check_active_ddp() -> None:
@@ -209,6 +214,7 @@ def compile(model: torch.nn.Module, *, opt_level: Optional[str] = None,
     record = cast_model(model, config)
     compile_module(model, FxampBackend(config, compiler=compiler, mode=mode, options=options),
                    dynamic=dynamic, fullgraph=fullgraph, record=record)
+    warn_untraced(model, config)
     return model
 
 
@@ -218,22 +224,28 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
     """Make every `model(...)` call run the fxamp-compiled graph, boundary casts included.
 
     fxamp fills the slot `nn.Module.compile` itself fills (`_compat.set_compiled_call`) with
-    the model's call wrapped in its boundary casts (Note [Model-boundary casts]). With the
-    `record` of the cast, a refusal at the first call restores the model.
+    the model's call wrapped in its boundary casts (Note [Model-boundary casts]), at O1 under
+    torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
+    With the `record` of the cast, a refusal at the first call restores the model.
     """
     forward = boundary_forward(model, fxamp_backend.config)
-    compiled = torch.compile(forward, backend=fxamp_backend, dynamic=dynamic,
-                             fullgraph=fullgraph)
+    compiled = with_policy_autocast(
+        torch.compile(forward, backend=fxamp_backend, dynamic=dynamic, fullgraph=fullgraph),
+        fxamp_backend.config)
 
     def unprepare() -> None:
         record.undo()
         _compat.set_compiled_call(model, None)
         delattr(model, _BACKEND_ATTR)
+        forget_copyable(model)
 
     fxamp_backend.model = model
     _compat.set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
                                                   None if record is None else unprepare, record))
     setattr(model, _BACKEND_ATTR, fxamp_backend)
+    settings = CompileSettings(fxamp_backend.config, **fxamp_backend.compile_args,
+                               dynamic=dynamic, fullgraph=fullgraph)
+    make_copyable(model, settings, _BACKEND_ATTR)  # Note [Copies keep the compiled call]
 
 
 def backend_of(model: torch.nn.Module) -> Optional[FxampBackend]:

@@ -1,6 +1,6 @@
 """Exceptions raised by fxamp. Every message names the bad value and what would be valid."""
 
-__all__ = ["ConfigError", "FxampError", "BannedOpError"]
+__all__ = ["ConfigError", "FxampError", "BannedOpError", "EagerRegionWarning"]
 
 
 class ConfigError(ValueError):
@@ -13,3 +13,8 @@ class FxampError(RuntimeError):
 
 class BannedOpError(FxampError):
     """An op that is unsafe in the low-precision dtype; the message names the safe alternative."""
+
+
+class EagerRegionWarning(UserWarning):
+    """A module Dynamo does not trace runs eagerly, outside fxamp's graphs (the message names
+    it and what policy it gets instead); see docs/backend.md, "Graph breaks and eager regions"."""

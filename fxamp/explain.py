@@ -16,6 +16,7 @@ from fxamp.arguments import entry_config
 from fxamp.backend import CompiledGraph, FxampBackend, _check_model, compile_module
 from fxamp.cast_model import cast_model
 from fxamp.config import AmpConfig
+from fxamp.eager_regions import eager_policy, untraced_modules
 from fxamp.errors import ConfigError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.hops import policy_bodies
@@ -53,6 +54,7 @@ class Explanation:
     graph_breaks: int
     break_reasons: list[str]
     ranges: Optional[Any] = None  # a fxamp.debug.RangeTable, with explain(ranges=True)
+    eager_modules: list[str] = dataclasses.field(default_factory=list)  # not traced (RNNs)
 
     @property
     def casts_inserted(self) -> int:
@@ -78,6 +80,9 @@ class Explanation:
                f"casts inserted: {self.casts_inserted} (+{self.boundary_casts} at the model "
                f"boundary) | ops kept in fp32: {self.ops_in_fp32}"]
         out += [f"  break: {r.splitlines()[0]}" for r in self.break_reasons]
+        if self.eager_modules:
+            out += [f"!! run eagerly, not traced by Dynamo: {', '.join(self.eager_modules)}; "
+                    f"they get {eager_policy(c)}"]
         for i, g in enumerate(self.graphs):
             out += ["", f"== forward graph {i} (after fxamp) ==", format_graph(g.graph_module)]
         for i, g in enumerate(self.backward_graphs):
@@ -188,6 +193,6 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: Optional[str
         from fxamp.debug.ranges import range_stats  # lazily: fxamp.debug imports the backend
 
         table = range_stats(model_or_fn, [example_inputs], backward=backward, config=config)
+    eager = untraced_modules(model_or_fn) if isinstance(model_or_fn, torch.nn.Module) else []
     return Explanation(graphs[0].config if graphs else config, graphs, recorder.backward, rows,
-                       len(reasons), reasons,
-                       table)
+                       len(reasons), reasons, table, eager)

@@ -22,7 +22,7 @@ from fxamp.policy import CastPolicy, preset_table
 
 __all__ = ["choose_policy", "module_path", "match_module_override", "register_rule",
            "castable_args", "is_compute_op", "check_op_override_keys", "check_module_overrides",
-           "USER_CAST_OPS"]
+           "USER_CAST_OPS", "ONE_DTYPE_OPS"]
 
 aten = torch.ops.aten
 
@@ -31,6 +31,11 @@ USER_CAST_OPS = frozenset(op for op in (
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default,
     aten.type_as.default,
 ) if isinstance(op, OpOverload))
+
+# Ops whose kernels take one floating dtype (matmuls, convolutions, attention): the ops
+# torch.autocast lowers on CUDA. A policy that hands them mixed dtypes cannot run.
+ONE_DTYPE_OPS = frozenset(op for op, p in preset_table("torch-cuda").items()
+                          if p is CastPolicy.LOWER)
 
 BATCH_NORM_OPS = frozenset((aten.batch_norm.default, aten.instance_norm.default))
 

@@ -8,7 +8,8 @@ against fp32 eager on the same weights and batch,
   the rounding is the same up to where casts sit);
 - O2/O3: at most 5e-2 (weights and activations stored in bf16, 2**-9 relative rounding
   each, a few layers deep; a lost or doubled gradient is off by 100 %).
-A gradient that is None anywhere fails outright (the failure this guards against).
+A gradient that is None anywhere fails outright (the failure this guards against). fxamp's
+model is called twice and the second call compared (recompiles and guards show there).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _loss(out) -> torch.Tensor:
 
 def grads(model: torch.nn.Module, *inputs) -> tuple[float, torch.Tensor]:
     """Run one forward/backward; (loss, every parameter's gradient flattened in fp32)."""
+    model.zero_grad(set_to_none=True)
     loss = _loss(model(*inputs))
     loss.backward()
     missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
@@ -54,6 +56,7 @@ def check(make_model, inputs, opt_level: str, *, compiled=None) -> dict:
     ref_loss, ref = grads(copy.deepcopy(base), *inputs)
     model = compiled(copy.deepcopy(base)) if compiled else fxamp.compile(
         copy.deepcopy(base), opt_level=opt_level, compiler="aot_eager")
+    grads(model, *inputs)  # the second call is compared: recompiles and guards show there
     loss, got = grads(model, *inputs)
     errors = {"grad": rel(got, ref), "loss": rel(loss, ref_loss)}
     if opt_level == "O0":

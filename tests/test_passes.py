@@ -164,7 +164,7 @@ def test_users_own_autocast_region_wins():
     dtypes = node_dtypes(gm)
     assert dtypes["mm"] == "bf16" and dtypes["mm_1"] == "f32"
     decision = next(n for n in gm.graph.nodes if n.name == "mm_1").meta["fxamp"]
-    assert decision.reason == "inside the user's torch.autocast region"
+    assert decision.reason == "inside the user's torch.autocast(enabled=False) region"
 
 
 def test_keep_override_that_mixes_dtypes_is_refused_before_running():

@@ -8,6 +8,7 @@ materialises the decisions, and `explain()` prints them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import operator
 from typing import Any, Optional
@@ -20,7 +21,7 @@ from fxamp.config import LOW_DTYPES, AmpConfig
 from fxamp.errors import FxampError
 from fxamp.passes.hops import body_inputs, hop_spec
 from fxamp.policy import CastPolicy
-from fxamp.rules import USER_CAST_OPS, castable_args, choose_policy
+from fxamp.rules import ONE_DTYPE_OPS, USER_CAST_OPS, castable_args, choose_policy
 
 __all__ = ["FXAMP_META", "OpDecision", "annotate", "short_dtype"]
 
@@ -46,6 +47,7 @@ class OpDecision:
     set_dtype_kwarg: bool = False  # fp32_set_opt_dtype: pass dtype=torch.float32
     restore_output: Optional[torch.dtype] = None  # O2/O3 fp32 islands: cast the result back
     val: Any = None  # the node's own fake value after the casts (before any restore)
+    autocast_casts: bool = False  # in the user's enabled torch.autocast region: it casts this
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
@@ -131,7 +133,9 @@ def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: 
     # not cast) are cast at each use, except into fp32 islands, the user's own casts and
     # arguments mutated in place. The model's outputs are not a graph's business: a graph
     # break makes any value an output, so fxamp.compile casts outputs with a module hook
-    # (Note [Model-boundary casts] in cast_model.py).
+    # (Note [Model-boundary casts] in cast_model.py). An fp32 value that meets low-precision
+    # ones in an op that takes one dtype (a matmul after the user's fp32 autocast region)
+    # is cast the same way: the op runs in the model dtype, as autocast would run it.
     if config.cast_model_type not in LOW_DTYPES or node.target in USER_CAST_OPS:
         return
     if not isinstance(node.target, OpOverload):
@@ -139,12 +143,16 @@ def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: 
     blocked = _mutated_positions(node.target)
     positions = _leaf_positions(node)
     leaves = pytree.tree_leaves((node.args, node.kwargs))
+    mixed = node.target in ONE_DTYPE_OPS and any(vals[i].dtype in LOW_DTYPES
+                                                 for i in eligible_idx)
     for i in eligible_idx:
         leaf = leaves[i]
-        if (isinstance(leaf, fx.Node) and leaf.op == "placeholder"
+        if (isinstance(leaf, fx.Node) and (leaf.op == "placeholder" or mixed)
                 and vals[i].dtype == torch.float32 and positions[i] not in blocked):
             decision.arg_casts[i] = config.dtype
-    if decision.arg_casts and not decision.reason.startswith("O"):
+    if decision.arg_casts and mixed:
+        decision.reason = f"{config.opt_level} fp32 input of a one-dtype op cast to the model dtype"
+    elif decision.arg_casts and not decision.reason.startswith("O"):
         decision.reason = f"{config.opt_level} graph input cast to the model dtype"
 
 
@@ -164,22 +172,35 @@ class _UserAutocast:
 
     Note [The user's autocast wins]: inside `with torch.autocast(device, ...)` for fxamp's
     device, the user has said how those ops should run (often `enabled=False` around code
-    that must stay fp32), so fxamp leaves every op there as traced.
+    that must stay fp32, or another dtype), so fxamp leaves every op there as traced and
+    AOTAutograd applies the region's autocast to them. Their values are propagated under the
+    region's own autocast state, so what follows the region sees the dtypes it produces.
     """
 
-    def __init__(self, device_type: str, inherited: bool = False):
+    def __init__(self, device_type: str, inherited: tuple = ()):
         self.device_type = device_type
-        self.stack: list[bool] = [inherited]
+        self.stack: list[Optional[tuple[torch.dtype, bool]]] = list(inherited)
 
     def visit(self, node: fx.Node) -> None:
         if node.target is ENTER_AUTOCAST:
-            self.stack.append(node.args[0] == self.device_type)
+            device, dtype, enabled = node.args[:3]
+            self.stack.append((dtype, enabled) if device == self.device_type else None)
         elif node.target is EXIT_AUTOCAST and self.stack:
             self.stack.pop()
 
     @property
-    def active(self) -> bool:
-        return any(self.stack)
+    def region(self) -> Optional[tuple[torch.dtype, bool]]:
+        """(dtype, enabled) of the innermost region for fxamp's device, or None."""
+        return next((r for r in reversed(self.stack) if r is not None), None)
+
+    def describe(self) -> str:
+        dtype, enabled = self.region
+        state = f"dtype={short_dtype(dtype)}" if enabled else "enabled=False"
+        return f"inside the user's torch.autocast({state}) region"
+
+    def context(self):
+        dtype, enabled = self.region
+        return torch.autocast(self.device_type, dtype=dtype, enabled=enabled)
 
 
 def annotate(gm: fx.GraphModule, config: AmpConfig, fake_mode) -> int:
@@ -188,11 +209,11 @@ def annotate(gm: fx.GraphModule, config: AmpConfig, fake_mode) -> int:
     The forward bodies of the higher-order ops fxamp keeps (hops.py) are annotated too, each
     seeing the dtypes its inputs have after the decisions around it.
     """
-    return _annotate_graph(gm, config, fake_mode, None, False)[0]
+    return _annotate_graph(gm, config, fake_mode, None, ())[0]
 
 
 def _annotate_graph(gm: fx.GraphModule, config: AmpConfig, fake_mode,
-                    inputs: Optional[list[Any]], in_user_autocast: bool) -> tuple[int, Any]:
+                    inputs: Optional[list[Any]], in_user_autocast: tuple) -> tuple[int, Any]:
     env: dict[fx.Node, Any] = {}
     changed = 0
     user_autocast = _UserAutocast(config.device_type, in_user_autocast)
@@ -229,10 +250,11 @@ def _fetch(gm: fx.GraphModule, node: fx.Node) -> Any:
 def _node_decision(node, vals, config, fake_mode, user_autocast) -> tuple[OpDecision, int]:
     spec = hop_spec(node.target)
     if spec is not None:
-        return _hop_decision(node, vals, spec, config, fake_mode, user_autocast.active)
-    if user_autocast.active:
-        decision = OpDecision(CastPolicy.KEEP, "inside the user's torch.autocast region",
-                              tuple(_dtype(v) for v in vals), {})
+        return _hop_decision(node, vals, spec, config, fake_mode, tuple(user_autocast.stack))
+    region = user_autocast.region
+    if region is not None:
+        decision = OpDecision(CastPolicy.KEEP, user_autocast.describe(),
+                              tuple(_dtype(v) for v in vals), {}, autocast_casts=region[1])
     else:
         decision = _decide(node, vals, config)
     leaves = pytree.tree_leaves((node.args, node.kwargs))
@@ -241,7 +263,8 @@ def _node_decision(node, vals, config, fake_mode, user_autocast) -> tuple[OpDeci
     if decision.arg_casts or decision.set_dtype_kwarg or decision.restore_output \
             or inputs_changed:
         try:
-            decision.val = _run(node, vals, decision, fake_mode)
+            with user_autocast.context() if region else contextlib.nullcontext():
+                decision.val = _run(node, vals, decision, fake_mode)
         except Exception as e:
             raise FxampError(f"annotate: {node.format_node()}") from e
     else:

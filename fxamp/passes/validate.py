@@ -10,7 +10,7 @@ from fxamp.config import LOW_DTYPES, AmpConfig
 from fxamp.errors import BannedOpError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.policy import BANNED_ALTERNATIVES, CastPolicy, preset_table
-from fxamp.rules import BATCH_NORM_OPS, module_path
+from fxamp.rules import BATCH_NORM_OPS, ONE_DTYPE_OPS, module_path
 
 __all__ = ["validate", "where"]
 
@@ -63,11 +63,6 @@ def _check_batch_norm_stats(node: fx.Node) -> None:
         )
 
 
-# Ops whose kernels take one floating dtype (matmuls, convolutions, attention): the ops
-# torch.autocast lowers on CUDA. A policy that hands them mixed dtypes cannot run.
-_ONE_DTYPE_OPS = frozenset(op for op, p in preset_table("torch-cuda").items()
-                           if p is CastPolicy.LOWER)
-
 
 def _check_one_dtype(node: fx.Node, config: AmpConfig) -> None:
     decision = node.meta[FXAMP_META]
@@ -93,7 +88,7 @@ def validate(gm: fx.GraphModule, config: AmpConfig) -> int:
         _check_inplace_fp32(node, config)
         if node.target in BATCH_NORM_OPS:
             _check_batch_norm_stats(node)
-        if node.target in _ONE_DTYPE_OPS:
+        if node.target in ONE_DTYPE_OPS and not decision.autocast_casts:
             _check_one_dtype(node, config)
         checked += 1
     return checked

@@ -16,12 +16,6 @@ from .harness import Pattern
 B, D = 8, 32
 
 # The symptoms on main (2026-11-23), item numbers as in issue 10.
-FP32_REGION_O2 = ("new: refused at O2: FxampError: aten.linear.default in b would get bf16 and "
-                  "f32 inputs under policy 'keep' (the fp32 region's output meets the bf16 "
-                  "model; autocast casts it)")
-FP16_REGION_O1 = ("new: refused: FxampError: aten.linear.default would get bf16 and f32 inputs "
-                  "under policy 'keep' (inside the user's torch.autocast region): the region's "
-                  "float16 is not applied")
 
 
 class Square(torch.autograd.Function):
@@ -156,8 +150,8 @@ PATTERNS = [
             "graph break: a data-dependent `if` on a tensor", _stack(_branch)),
     Pattern("autocast_fp32_region", USER_AUTOCAST,
             "torch.autocast(enabled=False) region in forward",
-            _stack(_fp32_region), xfail={"O2": FP32_REGION_O2}),
+            _stack(_fp32_region)),
     Pattern("autocast_fp16_region", USER_AUTOCAST,
             "torch.autocast(dtype=float16) region inside bf16 O1",
-            _stack(_fp16_region), levels=("O1",), xfail={"O1": FP16_REGION_O1}),
+            _stack(_fp16_region), levels=("O1",)),
 ]

@@ -14,9 +14,6 @@ from .harness import Pattern
 B, D = 8, 32
 
 # The symptoms on main (2026-11-23), item numbers as in issue 10.
-BREAK_O1 = ("issue 10 item 2: the full backward hook breaks the graph and fc2 runs eagerly "
-            "outside O1's policy: RuntimeError: mat1 and mat2 must have the same dtype, but got "
-            "BFloat16 (Half) and Float")
 NO_GRAD_CAST = ("new: at O1 the output is detached (RuntimeError: element 0 of tensors does "
                 "not require grad): `h - ema` is promoted by reusing the user's h.float() made "
                 "inside torch.no_grad() (sub.Tensor(to, add_) after _set_grad_enabled(True))")
@@ -169,7 +166,7 @@ PATTERNS = [
             _module_hooks),
     Pattern("backward_hook", HOOKS,
             "register_full_backward_hook scaling a module's input gradient",
-            _backward_hook, xfail={"O1": BREAK_O1}),
+            _backward_hook),
     Pattern("tensor_hook", HOOKS, "Tensor.register_hook on an activation inside forward",
             lambda: (TensorHook(), (_x(B, D),)), inductor=True),
     Pattern("buffer_update", BUFFERS, "register_buffer updated in place in forward (EMA, counter)",

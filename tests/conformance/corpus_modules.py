@@ -18,15 +18,8 @@ from .harness import Pattern, Run
 B, D, T = 4, 16, 6
 
 # The symptoms on main (2026-11-23), item numbers as in issue 10.
-RNN_SILENT = ("issue 10 item 6: at O1 the whole model runs in fp32 (Dynamo compiles no graph "
-              "around nn.{0}), bit for bit fp32's results, and fxamp says nothing")
 RNN_CELL_O1 = ("new: refused at O1: FxampError: aten.rnn_tanh_cell gets bf16 and f32 inputs under "
                "policy 'keep' (not in the table); autocast runs the cell in bf16")
-COPY_O1 = ("issue 10 item 4: the copy runs fp32 at O1 (fxamp's compiled call is lost): results "
-           "equal fp32's bit for bit")
-COPY_O2 = ("issue 10 item 4: the copy of an O2 model fails: RuntimeError: Input type "
-           "(torch.FloatTensor) and weight type (CPUBFloat16Type or torch.HalfTensor) should be "
-           "the same")
 ENCODER_EVAL_O1 = ("issue 10 item 5: in eval() under no_grad at O1 the fused fast path runs in "
                    "fp32: results equal fp32's bit for bit (autocast turns the fast path off)")
 
@@ -140,9 +133,9 @@ def _copy_pattern(name: str, summary: str, copier, xfail: dict) -> Pattern:
 
 PATTERNS = [
     Pattern("lstm", RECURRENT, "nn.LSTM (batch_first) between Linear layers", _recurrent("LSTM"),
-            check=_rnn_honours_o1, xfail={"O1": RNN_SILENT.format("LSTM")}),
+            check=_rnn_honours_o1),
     Pattern("gru", RECURRENT, "nn.GRU (batch_first) between Linear layers", _recurrent("GRU"),
-            check=_rnn_honours_o1, xfail={"O1": RNN_SILENT.format("GRU")}),
+            check=_rnn_honours_o1),
     Pattern("rnn_cell", RECURRENT, "nn.RNNCell unrolled in a Python loop", _recurrent("RNNCell"),
             check=_rnn_honours_o1, xfail={"O1": RNN_CELL_O1}),
     Pattern("transformer_encoder_train", ENCODER,
@@ -161,10 +154,8 @@ PATTERNS = [
     Pattern("inference_mode", INFERENCE,
             "conv + BatchNorm(eval) + Linear under torch.inference_mode()",
             _convnet, eval=True, grad_mode="inference_mode", levels=("O1", "O2", "O3")),
-    _copy_pattern("deepcopy", "copy.deepcopy of the compiled model", copy.deepcopy,
-                  {"O1": COPY_O1, "O2": COPY_O2}),
-    _copy_pattern("pickle", "torch.save(model) / torch.load round trip", _pickled,
-                  {"O1": COPY_O1, "O2": COPY_O2}),
+    _copy_pattern("deepcopy", "copy.deepcopy of the compiled model", copy.deepcopy, {}),
+    _copy_pattern("pickle", "torch.save(model) / torch.load round trip", _pickled, {}),
     _copy_pattern("averaged_model", "torch.optim.swa_utils.AveragedModel (EMA) of the model",
-                  AveragedModel, {"O1": COPY_O1, "O2": COPY_O2}),
+                  AveragedModel, {}),
 ]
