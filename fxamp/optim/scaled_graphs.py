@@ -63,12 +63,15 @@ class ScaledGraphs:
 
 
 def _leaves(roots: list[Any]) -> Iterator[torch.Tensor]:
-    seen, stack = set(), list(roots)
+    # Python wrappers of autograd nodes can be created per access (torch 2.11): `seen` keeps
+    # them alive so that no id is reused by another node's wrapper during the walk.
+    seen: dict[int, Any] = {}
+    stack = list(roots)
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf tensor
         if variable is not None:
             yield variable
