@@ -19,6 +19,7 @@ PATTERNS: list[Pattern] = [*corpus_layers.PATTERNS, *corpus_autograd.PATTERNS,
 BY_NAME = {p.name: p for p in PATTERNS}
 assert len(BY_NAME) == len(PATTERNS), "pattern names must be unique"
 
+TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 LEVELS = ("O1", "O2", "O3")
 
@@ -26,7 +27,8 @@ LEVELS = ("O1", "O2", "O3")
 def _marks(pattern: Pattern, level: str, slow: bool) -> list:
     marks = [pytest.mark.slow] if slow or pattern.slow else []
     reason = pattern.xfail_reason(level)
-    if reason:
+    fixed = pattern.xfail_before is not None and TORCH_VERSION >= pattern.xfail_before
+    if reason and not fixed:
         marks.append(pytest.mark.xfail(strict=True, reason=reason))
     return marks
 

@@ -62,7 +62,8 @@ class Pattern:
     "no_grad" or "inference_mode" (forward only); eval: model.eval() first; copy: applied to
     the prepared model (fxamp: after fxamp.compile; peer: before compiling, as the copy of a
     plain model is what users compile); levels: the opt levels that are meaningful; xfail:
-    {level or "*": the exact symptom on main}; check: extra assertions on the subject.
+    {level or "*": the exact symptom on main}; xfail_before: the torch (major, minor) from
+    which the xfail cases pass (they then run unmarked); check: extra assertions on the subject.
     """
 
     name: str
@@ -75,6 +76,7 @@ class Pattern:
     copy: Optional[Callable[[nn.Module], nn.Module]] = None
     levels: tuple[str, ...] = ("O1", "O2")
     xfail: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    xfail_before: Optional[tuple[int, int]] = None
     check: Optional[Callable[["Run", "Run", str], None]] = None
     inductor: bool = False
     slow: bool = False
