@@ -14,7 +14,7 @@ nothing patched: the reducer lives on the instance and travels with its copies.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
