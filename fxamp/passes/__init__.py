@@ -11,6 +11,7 @@ from fxamp.config import AmpConfig
 from fxamp.passes.annotate import FXAMP_META, OpDecision, annotate
 from fxamp.passes.hops import policy_bodies
 from fxamp.passes.insert_casts import insert_casts, is_fxamp_cast
+from fxamp.passes.printing import format_graph
 from fxamp.passes.validate import validate
 
 __all__ = ["run_passes", "PassStats", "FXAMP_META", "OpDecision"]
@@ -43,8 +44,6 @@ class _LazyGraph:
         self.gm = gm
 
     def __str__(self) -> str:
-        from fxamp.testing import format_graph
-
         return format_graph(self.gm)
 
 
