@@ -2,6 +2,7 @@
 
 from fxamp.backend import FxampBackend, backend, backend_of, compile, config_of
 from fxamp.config import AmpConfig
+from fxamp.float8 import Float8Config
 from fxamp.errors import BannedOpError, ConfigError, EagerRegionWarning, FxampError
 from fxamp.policy import CastPolicy
 from fxamp.explain import Explanation, explain
@@ -15,6 +16,7 @@ __all__ = [
     "CastPolicy",
     "Explanation",
     "explain",
+    "Float8Config",
     "ConfigError",
     "EagerRegionWarning",
     "FxampBackend",

@@ -18,6 +18,7 @@ from fxamp.config import AmpConfig
 from fxamp.copies import CompileSettings, forget_copyable, make_copyable
 from fxamp.eager_regions import warn_untraced, with_policy_autocast, without_autocast
 from fxamp.errors import ConfigError
+from fxamp.float8.config import check_float8_support
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.rules import check_module_overrides, check_op_override_keys
@@ -102,6 +103,7 @@ class FxampBackend:
         config = self.config
         if not config.is_resolved:
             config = config.resolve(config.device_type or _device_type(example_inputs))
+        check_float8_support(config.float8, config.device_type, config.dtype)
         _check_active_ddp()
         if self.model is not None:
             check_storage(self.model, config)
@@ -210,6 +212,7 @@ def compile(model: torch.nn.Module, *, opt_level: Optional[str] = None,
     device = _check_model(model)
     config = config.resolve(config.device_type or device.type)
     check_module_overrides(model, config)
+    check_float8_support(config.float8, config.device_type, config.dtype)
     # Everything is checked: from here on the model changes (Note [Un-preparing a refused model]).
     record = cast_model(model, config)
     compile_module(model, FxampBackend(config, compiler=compiler, mode=mode, options=options),
