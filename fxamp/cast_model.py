@@ -16,6 +16,7 @@ import torch
 
 from fxamp import _compat
 from fxamp.config import LOW_DTYPES, AmpConfig
+from fxamp.provenance import boundary_casts
 from fxamp.rules import match_module_override
 
 __all__ = ["cast_model", "storage_dtype", "boundary_forward", "CastRecord"]
@@ -77,9 +78,13 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[...,
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if in_dtype is not None:
-            args, kwargs = _cast_floats((args, kwargs), in_dtype, in_sources)
+            with boundary_casts():  # Note [Boundary casts are tagged when traced]
+                args, kwargs = _cast_floats((args, kwargs), in_dtype, in_sources)
         output = _compat.call_impl(model, *args, **kwargs)
-        return output if out_dtype is None else _cast_floats(output, out_dtype, out_sources)
+        if out_dtype is None:
+            return output
+        with boundary_casts():
+            return _cast_floats(output, out_dtype, out_sources)
 
     # Note [One code object per compiled model]: Dynamo caches compiled graphs per code object.
     # Closures share their code, so every model compiled by fxamp would pile its entries (and

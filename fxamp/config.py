@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -18,7 +18,7 @@ from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.float8.config import Float8Config, as_float8_config
 
-__all__ = ["AmpConfig", "OPT_LEVELS", "POLICY_PRESETS", "OpPolicy"]
+__all__ = ["AmpConfig", "OPT_LEVELS", "POLICY_PRESETS"]
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
 POLICY_PRESETS = ("torch-cuda", "torch-cpu", "apex")
@@ -26,7 +26,6 @@ LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 # What a user may ask for one op or one module: run it in the low dtype, in fp32, in the widest
 # input type, or leave it exactly as traced.
-OpPolicy = Literal["lower", "fp32", "promote", "keep"]
 OP_POLICY_CHOICES = ("lower", "fp32", "promote", "keep")
 
 # Apex's table (../shared/reference/AMP_SEMANTICS.md). `None` for cast_model_type means

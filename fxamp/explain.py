@@ -18,17 +18,15 @@ from fxamp.cast_model import cast_model
 from fxamp.config import AmpConfig
 from fxamp.eager_regions import eager_policy, untraced_modules
 from fxamp.errors import ConfigError, FxampError
+from fxamp.debug.ranges import range_stats
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.float8 import FLOAT8_META, GemmChoice, is_float8_gemm
 from fxamp.passes.hops import policy_bodies
-from fxamp.passes.insert_casts import CastInfo
-from fxamp.policy import CastPolicy
-from fxamp.rules import BOUNDARY_REASON, check_module_overrides, is_compute_op, module_path
-from fxamp.testing import format_graph
+from fxamp.passes.printing import format_graph
+from fxamp.provenance import module_of
+from fxamp.rules import check_module_overrides, is_compute_op
 
 __all__ = ["explain", "Explanation", "OpRow"]
-
-_FP32_POLICIES = (CastPolicy.FP32, CastPolicy.FP32_SET_OPT_DTYPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +69,7 @@ class Explanation:
     @property
     def boundary_casts(self) -> int:
         """Casts of the model's inputs and outputs (fxamp.compile, O0/O2/O3)."""
-        return sum(n.meta.get(FXAMP_META) is not None
-                   and n.meta[FXAMP_META].reason == BOUNDARY_REASON
+        return sum(n.meta.get(FXAMP_META) is not None and n.meta[FXAMP_META].boundary
                    for g in self.graphs for n in g.graph_module.graph.nodes)
 
     @property
@@ -142,14 +139,13 @@ def _rows(index: int, gm: fx.GraphModule) -> list[OpRow]:
     rows = []
     for node in gm.graph.nodes:
         decision = node.meta.get(FXAMP_META)
-        if node.op != "call_function" or decision is None or isinstance(decision, CastInfo):
+        if node.op != "call_function" or decision is None or decision.inserted:
             continue
         compute = is_compute_op(node.target) or is_float8_gemm(node)
         if not compute or not any(d is not None and d.is_floating_point
                                                      for d in decision.input_dtypes):
             continue
-        stack = node.meta.get("nn_module_stack") or {}
-        module = module_path(list(stack.values())[-1][0]) if stack else ""
+        module = module_of(node.meta.get("nn_module_stack"))[0]
         val = node.meta.get("val")
         inputs = ",".join(short_dtype(d) for d in decision.input_dtypes if d is not None)
         output = short_dtype(val.dtype) if isinstance(val, torch.Tensor) else "-"
@@ -228,8 +224,6 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: Optional[str
             for gm in (g.graph_module, *policy_bodies(g.graph_module)) for row in _rows(i, gm)]
     table = None
     if ranges:
-        from fxamp.debug.ranges import range_stats  # lazily: fxamp.debug imports the backend
-
         table = range_stats(model_or_fn, [example_inputs], backward=backward, config=config)
     eager = untraced_modules(model_or_fn) if isinstance(model_or_fn, torch.nn.Module) else []
     gemms = [g for cg in graphs for gm in (cg.graph_module, *policy_bodies(cg.graph_module))

@@ -9,8 +9,6 @@ batch_norm's running statistics are mutated in place and must never be replaced 
 from __future__ import annotations
 
 import fnmatch
-import os
-import re
 from typing import Callable, Optional
 
 import torch
@@ -18,6 +16,7 @@ import torch
 from fxamp._compat import OpOverload
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
+from fxamp.provenance import module_chain, module_path
 from fxamp.policy import CastPolicy, preset_table
 
 __all__ = ["choose_policy", "module_path", "match_module_override", "register_rule",
@@ -38,11 +37,6 @@ ONE_DTYPE_OPS = frozenset(op for op, p in preset_table("torch-cuda").items()
                           if p is CastPolicy.LOWER)
 
 BATCH_NORM_OPS = frozenset((aten.batch_norm.default, aten.instance_norm.default))
-
-# fxamp.compile's model-boundary casts are traced from cast_model.py (Note [Model-boundary
-# casts]); their stack trace names that file, which is how explain() tells them apart.
-BOUNDARY_FILE = os.path.join("fxamp", "cast_model.py")
-BOUNDARY_REASON = "model boundary cast (fxamp.compile)"
 
 _RULES: dict[OpOverload, Callable[[CastPolicy, int], tuple[int, ...]]] = {}
 
@@ -80,18 +74,6 @@ def is_compute_op(op: object) -> bool:
     return not op.is_view and not op._schema.is_mutable
 
 
-_SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
-_ITEM = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
-
-
-def module_path(dynamo_path: str) -> str:
-    """Dynamo's "L['self'].blocks[0]._modules['ln']" -> "blocks.0.ln" (the named_modules path)."""
-    path = _SOURCE_PREFIX.sub("", dynamo_path)
-    path = path.replace("._modules", "").replace("_modules", "")
-    path = _ITEM.sub(r".\1", path)
-    return path.strip(".").replace("..", ".")
-
-
 def match_module_override(path: str, type_name: str,
                           config: AmpConfig) -> Optional[tuple[str, str]]:
     """The first (pattern, choice) of `config.module_overrides` naming this module's class or
@@ -103,10 +85,7 @@ def match_module_override(path: str, type_name: str,
 
 
 def _module_override(node: torch.fx.Node, config: AmpConfig) -> Optional[tuple[str, str]]:
-    stack = node.meta.get("nn_module_stack") or {}
-    for dynamo_path, module_type in reversed(list(stack.values())):  # innermost first
-        path = module_path(dynamo_path)
-        type_name = getattr(module_type, "__name__", str(module_type).rsplit(".", 1)[-1])
+    for path, type_name in module_chain(node.meta.get("nn_module_stack")):  # innermost first
         found = match_module_override(path, type_name, config)
         if found:
             return f"module override {found[0]!r} on {path or '<root>'}", found[1]
@@ -156,18 +135,9 @@ def _some(names: list[str], n: int = 6) -> str:
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "")
 
 
-def _traced_in(node: torch.fx.Node, path: str) -> bool:
-    """Whether the innermost frame of `node`'s stack trace is in `path` (every node of a model
-    compiled by fxamp.compile has cast_model.py further out in its stack)."""
-    frames = (node.meta.get("stack_trace") or "").split('File "')
-    return len(frames) > 1 and frames[-1].split('"', 1)[0].endswith(path)
-
-
 def choose_policy(node: torch.fx.Node, config: AmpConfig) -> tuple[CastPolicy, str]:
     """The policy for one call_function node and the reason, by the documented precedence."""
     op = node.target
-    if op in USER_CAST_OPS and _traced_in(node, BOUNDARY_FILE):
-        return CastPolicy.KEEP, BOUNDARY_REASON
     if not isinstance(op, OpOverload) or op in USER_CAST_OPS:
         return CastPolicy.KEEP, "not a castable op"
     found = _module_override(node, config) if is_compute_op(op) else None

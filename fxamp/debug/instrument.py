@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -31,8 +30,9 @@ from fxamp.cast_model import boundary_forward, cast_model
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
-from fxamp.passes.insert_casts import CastInfo
-from fxamp.rules import check_module_overrides, module_path
+from fxamp.passes.insert_casts import is_fxamp_cast
+from fxamp.provenance import module_of, source_line
+from fxamp.rules import check_module_overrides
 
 __all__ = ["GraphRecord", "Origin", "InstrumentingCompiler", "origin_of", "tensors_of",
            "display_name", "describe_config",
@@ -93,24 +93,6 @@ def _pre_node(node: fx.Node, record: GraphRecord) -> Optional[fx.Node]:
     return None
 
 
-def _source_line(stack_trace: Optional[str]) -> str:
-    lines = (stack_trace or "").rstrip().splitlines()
-    for i in range(len(lines) - 1, -1, -1):
-        match = re.match(r'\s*File "([^"]+)", line (\d+), in (\S+)', lines[i])
-        if match:
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{match[1]}:{match[2]} in {match[3]}: {code}"
-    return ""
-
-
-def _module(stack: Optional[dict]) -> tuple[str, str]:
-    if not stack:
-        return "", ""
-    dynamo_path, module_type = list(stack.values())[-1]
-    type_name = getattr(module_type, "__name__", str(module_type).rsplit(".", 1)[-1])
-    return module_path(dynamo_path), type_name
-
-
 def _policy(pre: Optional[fx.Node]) -> str:
     decision = pre.meta.get(FXAMP_META) if pre is not None else None
     return "" if decision is None else f"{decision.policy.value} ({decision.reason})"
@@ -123,7 +105,7 @@ def origin_of(node: fx.Node, phase: str, record: GraphRecord) -> Origin:
         forward = record.by_seq_nr.get(node.meta.get(_compat.SEQ_NR, -2), node)  # Note [Mapping...]
     pre = _pre_node(forward, record)
     stack = forward.meta.get("nn_module_stack") or node.meta.get(_compat.FWD_NN_MODULE_STACK)
-    module, module_type = _module(stack)
+    module, module_type = module_of(stack)
     op = str(node.target) if node.op == "call_function" else node.op
     if node.op == "placeholder":
         op = "input" if phase == FORWARD else \
@@ -131,7 +113,7 @@ def origin_of(node: fx.Node, phase: str, record: GraphRecord) -> Origin:
     return Origin(phase, record.index, node.name, op,
                   str(pre.target) if pre is not None and pre.op == "call_function" else "",
                   module, module_type,
-                  _source_line(node.meta.get("stack_trace") or forward.meta.get("stack_trace")),
+                  source_line(node.meta.get("stack_trace") or forward.meta.get("stack_trace")),
                   _policy(pre), pre)
 
 
@@ -141,8 +123,7 @@ def display_name(node: fx.Node, phase: str, record: GraphRecord) -> str:
         name = record.input_name(node)
         return node.name if name == node.name else f"{node.name} ({name})"
     pre = _pre_node(node, record) if phase == FORWARD else None
-    if pre is not None and pre.name != node.name and isinstance(
-            pre.meta.get(FXAMP_META), CastInfo):
+    if pre is not None and pre.name != node.name and is_fxamp_cast(pre):
         return f"{node.name} ({pre.name})"
     return node.name
 

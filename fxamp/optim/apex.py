@@ -11,6 +11,8 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 
 from fxamp.arguments import check_compiler, check_model_list
+from fxamp.backend import _check_model
+from fxamp.backend import compile as _compile
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.optim import optimizers
@@ -18,6 +20,7 @@ from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.fp16_optimizer import _check_inner as check_wrappable
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.optimizer import FusedOptimizer
+from fxamp.rules import check_module_overrides
 
 __all__ = ["initialize", "scale_loss", "master_params", "amp_state_dict", "load_amp_state_dict"]
 
@@ -67,7 +70,6 @@ def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool =
     _check_models(model_list, config)
     _check_optimizers(opt_list)
     # Everything is checked: from here on models and optimizers change.
-    from fxamp.backend import compile as _compile  # lazily: the backend imports the passes
     compiled = [_compile(m, config=config, compiler=compiler) for m in model_list]
     inductor = compiler == "inductor"
     scalers = [LossScaler.from_config(config, compile=inductor) for _ in range(num_losses)]
@@ -93,9 +95,6 @@ def _as_list(value: Any, kind: type, what: str) -> tuple[list, bool]:
 
 
 def _check_models(models: list, config: AmpConfig) -> None:
-    from fxamp.backend import _check_model  # lazily, as compile
-    from fxamp.rules import check_module_overrides
-
     def check_one(model: torch.nn.Module) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConfigError("it is already wrapped in DistributedDataParallel; call "

@@ -12,6 +12,7 @@ from fxamp.passes.annotate import FXAMP_META, OpDecision, annotate
 from fxamp.passes.float8 import decide_gemms, rewrite_gemms
 from fxamp.passes.hops import policy_bodies
 from fxamp.passes.insert_casts import insert_casts, is_fxamp_cast
+from fxamp.passes.printing import format_graph
 from fxamp.passes.validate import validate
 
 __all__ = ["run_passes", "PassStats", "FXAMP_META", "OpDecision"]
@@ -45,8 +46,6 @@ class _LazyGraph:
         self.gm = gm
 
     def __str__(self) -> str:
-        from fxamp.testing import format_graph
-
         return format_graph(self.gm)
 
 

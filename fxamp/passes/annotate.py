@@ -21,11 +21,13 @@ from fxamp.config import LOW_DTYPES, AmpConfig
 from fxamp.errors import FxampError
 from fxamp.passes.hops import body_inputs, hop_spec
 from fxamp.policy import CastPolicy
+from fxamp.provenance import is_boundary_cast
 from fxamp.rules import ONE_DTYPE_OPS, USER_CAST_OPS, castable_args, choose_policy
 
 __all__ = ["FXAMP_META", "OpDecision", "annotate", "short_dtype"]
 
 FXAMP_META = "fxamp"
+BOUNDARY_REASON = "model boundary cast (fxamp.compile)"
 
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
           torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "b8",
@@ -49,6 +51,8 @@ class OpDecision:
     restore_output: Optional[torch.dtype] = None  # O2/O3 fp32 islands: cast the result back
     val: Any = None  # the node's own fake value after the casts (before any restore)
     autocast_casts: bool = False  # in the user's enabled torch.autocast region: it casts this
+    inserted: bool = False  # a cast insert_casts created (policy = its consumer's, reason = why)
+    boundary: bool = False  # a model-boundary cast fxamp.compile traced (Note [Boundary casts...])
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:
@@ -100,6 +104,9 @@ def _has_dtype_arg(node: fx.Node) -> bool:
 
 
 def _decide(node: fx.Node, vals: list[Any], config: AmpConfig) -> OpDecision:
+    if node.target in USER_CAST_OPS and is_boundary_cast(node):
+        return OpDecision(CastPolicy.KEEP, BOUNDARY_REASON, tuple(_dtype(v) for v in vals), {},
+                          boundary=True)
     policy, reason = choose_policy(node, config)
     low = config.dtype
     device = config.device_type

@@ -96,7 +96,6 @@ def to_aten(gm: fx.GraphModule, fakes: Sequence[Any], fake_mode) -> fx.GraphModu
         aten_gm = make_fx(run, pre_dispatch=True)(*fakes)
     sources = [n.name for n in gm.graph.find_nodes(op="placeholder")]
     for node, source in zip(list(aten_gm.graph.find_nodes(op="placeholder")), sources):
-        node.meta["fxamp_source"] = source
         node.target = rename_node(node, readable_name(source))
     aten_gm.recompile()
     return aten_gm

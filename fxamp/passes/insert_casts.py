@@ -17,17 +17,15 @@ import torch.fx as fx
 from fxamp._compat import detect_fake_mode, pytree
 from fxamp.passes.annotate import FXAMP_META, OpDecision, short_dtype
 
-__all__ = ["insert_casts", "CastInfo", "is_fxamp_cast"]
+__all__ = ["insert_casts", "is_fxamp_cast"]
 
 _CAST = torch.ops.aten._to_copy.default
 
 
-class CastInfo(OpDecision):
-    """Decision recorded on a cast that fxamp inserted (policy KEEP, reason = what it feeds)."""
-
-
 def is_fxamp_cast(node: fx.Node) -> bool:
-    return isinstance(node.meta.get(FXAMP_META), CastInfo)
+    """Whether insert_casts created `node` (its decision says so)."""
+    decision = node.meta.get(FXAMP_META)
+    return decision is not None and decision.inserted
 
 
 class _Casts:
@@ -62,9 +60,9 @@ class _Casts:
                 cast.meta[key] = consumer.meta[key]
         with _fake_mode(val):
             cast.meta["val"] = val.to(dtype)
-        cast.meta[FXAMP_META] = CastInfo(
+        cast.meta[FXAMP_META] = OpDecision(
             policy=consumer.meta[FXAMP_META].policy, reason=why,
-            input_dtypes=(val.dtype,), arg_casts={}, val=cast.meta["val"])
+            input_dtypes=(val.dtype,), arg_casts={}, val=cast.meta["val"], inserted=True)
         self.count += 1
         return cast
 
@@ -89,12 +87,11 @@ def _cast_inputs(node: fx.Node, decision: OpDecision, casts: _Casts) -> None:
     node.args, node.kwargs = tuple(args), kwargs
 
 
-def _restore_output(node: fx.Node, dtype: torch.dtype, casts: _Casts) -> Optional[fx.Node]:
+def _restore_output(node: fx.Node, dtype: torch.dtype, casts: _Casts) -> None:
     users = list(node.users)
     cast = casts.get(node, dtype, node, f"{node.name} back to the model dtype")
     for user in users:
         user.replace_input_with(node, cast)
-    return cast
 
 
 def insert_casts(gm: fx.GraphModule) -> int:
@@ -103,7 +100,7 @@ def insert_casts(gm: fx.GraphModule) -> int:
     casts = _Casts(graph)
     for node in list(graph.nodes):
         decision = node.meta.get(FXAMP_META)
-        if decision is None or isinstance(decision, CastInfo):
+        if decision is None or decision.inserted:
             continue
         if decision.arg_casts or decision.set_dtype_kwarg:
             _cast_inputs(node, decision, casts)

@@ -10,17 +10,18 @@ from fxamp.config import LOW_DTYPES, AmpConfig
 from fxamp.errors import BannedOpError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.policy import BANNED_ALTERNATIVES, CastPolicy, preset_table
-from fxamp.rules import BATCH_NORM_OPS, ONE_DTYPE_OPS, module_path
+from fxamp.provenance import innermost_frame, module_of
+from fxamp.rules import BATCH_NORM_OPS, ONE_DTYPE_OPS
 
 __all__ = ["validate", "where"]
 
 
 def where(node: fx.Node) -> str:
     """'aten.linear.default in head (model.py:12)' — enough to find the node in user code."""
-    stack = node.meta.get("nn_module_stack") or {}
-    module = (module_path(list(stack.values())[-1][0]) or "<root>") if stack else "<top level>"
-    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
-    line = next((t.strip() for t in reversed(trace) if t.strip().startswith("File ")), "")
+    stack = node.meta.get("nn_module_stack")
+    module = (module_of(stack)[0] or "<root>") if stack else "<top level>"
+    frame = innermost_frame(node.meta.get("stack_trace"))
+    line = f'File "{frame[0]}", line {frame[1]}, in {frame[2]}' if frame else ""
     return f"{node.target} in {module}" + (f" ({line})" if line else "")
 
 

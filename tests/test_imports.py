@@ -1,0 +1,63 @@
+"""The package's import graph: no cycles (function-level imports included), and
+fxamp/testing.py is for tests only (no module of fxamp imports it)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import fxamp
+
+ROOT = pathlib.Path(fxamp.__file__).parent
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    found = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = path
+    return found
+
+
+def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
+    """The fxamp modules `path` imports anywhere (a function's body too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                out.add(sub if sub in modules else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+    return {name for name in out if name in modules}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, modules) - {name} for name, path in modules.items()}
+
+
+def _cycle_from(start: str, graph: dict[str, set[str]]) -> list[str]:
+    # Depth-first search for a path from `start` back to itself.
+    stack, seen = [(start, [start])], set()
+    while stack:
+        name, path = stack.pop()
+        for nxt in sorted(graph[name]):
+            if nxt == start:
+                return path + [start]
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append((nxt, path + [nxt]))
+    return []
+
+
+def test_the_walk_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycle_from("a", graph) == ["a", "b", "c", "a"]
+    assert _cycle_from("d", graph) == []
+
+
+def test_only_tests_import_fxamp_testing():
+    importers = sorted(name for name, deps in _graph().items() if "fxamp.testing" in deps)
+    assert importers == []
