@@ -26,7 +26,7 @@ _BATCH_NORM = _compat.NORM_MODULE_TYPES
 
 def storage_dtype(name: str, module: torch.nn.Module, config: AmpConfig) -> Optional[torch.dtype]:
     """dtype the module's own floating tensors are stored in, or None to leave them."""
-    target = config.cast_model_type
+    target = config.model_dtype
     if target in LOW_DTYPES:
         if isinstance(module, _BATCH_NORM) and config.keep_batchnorm_fp32:
             return torch.float32
@@ -72,7 +72,7 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[...,
     a function that calls the module, Dynamo traces the casts into the model's graph (module
     hooks on the top-level module would each become a graph of their own).
     """
-    in_dtype, out_dtype = config.cast_model_type, config.output_dtype
+    in_dtype, out_dtype = config.model_dtype, config.output_dtype
     in_sources = tuple(d for d in (torch.float32, *LOW_DTYPES) if d != in_dtype)
     out_sources = tuple(d for d in LOW_DTYPES if d != out_dtype)
 

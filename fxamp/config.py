@@ -56,6 +56,18 @@ def _as_dtype(value: Any, what: str, allowed: tuple[torch.dtype, ...]) -> torch.
     return dtype
 
 
+def _as_model_type(value: Any) -> Union[torch.dtype, bool]:
+    # Apex casts the model only `if properties.cast_model_type:`, so False (multi-model and
+    # fine-tuning scripts pass it) means "leave the model's dtypes alone" at every level.
+    if value is False:
+        return False
+    if value is True or value in ("True", "False"):
+        raise ConfigError(f"cast_model_type={value!r} must be a dtype (torch.float16, "
+                          "torch.bfloat16, torch.float32) or False (the bool: leave the model's "
+                          "dtypes alone)")
+    return _as_dtype(value, "cast_model_type", (torch.float32, *LOW_DTYPES))
+
+
 def _as_bool(value: Any, what: str) -> bool:
     # Apex accepts the strings "True"/"False" because its launch scripts pass argv through.
     if isinstance(value, bool):
@@ -108,7 +120,9 @@ class AmpConfig:
         opt_level: "O0" … "O3".
         dtype: the low-precision dtype (float16 or bfloat16); None until `resolve` picks the
             device default (float16 on CUDA, bfloat16 on CPU).
-        cast_model_type: the dtype parameters and buffers are stored in, or None to leave them.
+        cast_model_type: the dtype parameters and buffers are stored in, or None to leave them
+            (at O2/O3 None becomes `dtype` when resolved); False leaves them at every level and
+            casts neither inputs nor outputs (Apex's `cast_model_type=False`).
         patch_torch_functions: O1's per-op casting (kept under Apex's name).
         keep_batchnorm_fp32: O2/O3: keep BatchNorm parameters, buffers and math in fp32.
         master_weights: keep fp32 master copies of low-precision parameters in the optimizer.
@@ -128,7 +142,7 @@ class AmpConfig:
 
     opt_level: str = "O1"
     dtype: Optional[torch.dtype] = None
-    cast_model_type: Optional[torch.dtype] = None
+    cast_model_type: Union[torch.dtype, None, bool] = None
     patch_torch_functions: bool = True
     keep_batchnorm_fp32: Optional[bool] = None
     master_weights: Optional[bool] = None
@@ -171,7 +185,7 @@ class AmpConfig:
     def _check_apex_overrides(self) -> None:
         level = self.opt_level
         if level == "O1":
-            if self.cast_model_type not in (None, torch.float32):
+            if self.cast_model_type not in (None, False, torch.float32):
                 raise ConfigError(
                     f"O1 inserts casts around ops rather than casting the model weights, so "
                     f"cast_model_type={self.cast_model_type} is not allowed with O1; "
@@ -226,8 +240,7 @@ class AmpConfig:
         preset = dict(_PRESETS[check_opt_level(opt_level)])
         low = None if dtype is None else _as_dtype(dtype, "dtype", LOW_DTYPES)
         if cast_model_type is not None:
-            preset["cast_model_type"] = _as_dtype(
-                cast_model_type, "cast_model_type", (torch.float32, *LOW_DTYPES))
+            preset["cast_model_type"] = _as_model_type(cast_model_type)
             if low is None and preset["cast_model_type"] in LOW_DTYPES:
                 low = preset["cast_model_type"]
         elif opt_level == "O1":
@@ -278,10 +291,18 @@ class AmpConfig:
                                    cast_model_type=cast_model_type)
 
     @property
+    def model_dtype(self) -> Optional[torch.dtype]:
+        """dtype the model's floating inputs, parameters and buffers are cast to, or None to
+        leave them (O1, and `cast_model_type=False`)."""
+        return None if self.cast_model_type is False else self.cast_model_type
+
+    @property
     def output_dtype(self) -> Optional[torch.dtype]:
         """dtype floating model outputs are cast to, or None to leave them."""
         if self.cast_model_outputs is not None:
             return self.cast_model_outputs
+        if self.cast_model_type is False:  # Apex patched no forward then
+            return None
         return torch.float32 if self.opt_level in ("O2", "O3") else None
 
     def cache_key(self) -> str:

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from fxamp import validation
 from fxamp.errors import ConfigError
-from fxamp.optim import algorithms
+from fxamp.optim import algorithms, apex_options
 from fxamp.optim.distributed import AUTO
 from fxamp.optim.optimizer import FusedOptimizer
 
@@ -19,9 +19,19 @@ _COMMON_ARGS = """
         master_weights: keep fp32 master copies of float16/bfloat16 parameters (default True).
         compile: compile the step with torch.compile (Inductor); False runs the same functions
             eagerly.
+        **apex_options: the keywords Apex's fused optimizer took (FusedAdam: amsgrad,
+            adam_w_mode, bias_correction, set_grad_none, capturable; FusedLAMB: amsgrad,
+            adam_w_mode, set_grad_none; FusedSGD: wd_after_momentum, materialize_master_grads,
+            set_grad_none), accepted with the values fxamp computes and refused with the fix
+            otherwise (docs/optimizer.md).
         process_group: the torch.distributed group whose ranks agree on skipping (and on the
             norm of sharded gradients) inside the step: "auto" (default) takes the default group
             when torch.distributed is initialized with more than one rank; None: no agreement."""
+
+
+def _check_apex(opt: FusedOptimizer, given: dict[str, Any]) -> None:
+    # Before anything is flattened: a refusal leaves the parameters as they were.
+    apex_options.check(type(opt).__name__, given, type(opt)._apex_table)
 
 
 def _tuple(betas: Any) -> Any:
@@ -38,11 +48,13 @@ class Adam(FusedOptimizer):
     """
 
     algorithm = algorithms.ADAM
+    _apex_table = apex_options.ADAM
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
-                 compile: bool = True, process_group: Any = AUTO) -> None:
+                 compile: bool = True, process_group: Any = AUTO, **apex: bool) -> None:
+        _check_apex(self, apex)
         defaults = dict(lr=lr, betas=_tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,
                          master_weights=master_weights, compile=compile,
@@ -59,6 +71,7 @@ class AdamW(Adam):
     """
 
     algorithm = algorithms.ADAMW
+    _apex_table = apex_options.ADAMW
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
@@ -76,11 +89,13 @@ class SGD(FusedOptimizer):
     """
 
     algorithm = algorithms.SGD
+    _apex_table = apex_options.SGD
 
     def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
-                 compile: bool = True, process_group: Any = AUTO) -> None:
+                 compile: bool = True, process_group: Any = AUTO, **apex: bool) -> None:
+        _check_apex(self, apex)
         if nesterov and (validation.non_negative(momentum, "momentum") <= 0
                          or validation.non_negative(dampening, "dampening") != 0):
             raise ConfigError("nesterov=True needs momentum > 0 and dampening = 0 "
@@ -106,12 +121,14 @@ class LAMB(FusedOptimizer):
     """
 
     algorithm = algorithms.LAMB
+    _apex_table = apex_options.LAMB
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, *, grad_averaging: bool = True,
                  use_nvlamb: bool = False, bias_correction: bool = True,
                  max_grad_norm: Optional[float] = 1.0, master_weights: bool = True,
-                 compile: bool = True, process_group: Any = AUTO) -> None:
+                 compile: bool = True, process_group: Any = AUTO, **apex: bool) -> None:
+        _check_apex(self, apex)
         defaults = dict(lr=lr, betas=_tuple(betas), eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, use_nvlamb=use_nvlamb,
                         bias_correction=bias_correction)
