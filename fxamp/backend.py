@@ -16,6 +16,7 @@ from fxamp.compiled_call import check_storage
 from fxamp.config import AmpConfig
 from fxamp.eager_regions import without_autocast
 from fxamp.errors import ConfigError
+from fxamp.float8.config import check_float8_support
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.rules import check_op_override_keys
@@ -98,6 +99,7 @@ class FxampBackend:
         config = self.config
         if not config.is_resolved:
             config = config.resolve(config.device_type or _device_type(example_inputs))
+        check_float8_support(config.float8, config.device_type, config.dtype)
         _check_active_ddp()
         if self.model is not None:
             check_storage(self.model, config)

@@ -15,6 +15,7 @@ from fxamp.config import AmpConfig
 from fxamp.eager_regions import eager_policy, untraced_modules
 from fxamp.debug.ranges import range_stats
 from fxamp.passes.annotate import FXAMP_META, short_dtype
+from fxamp.passes.float8 import FLOAT8_META, GemmChoice, is_float8_gemm
 from fxamp.passes.hops import policy_bodies
 from fxamp.passes.printing import format_graph
 from fxamp.provenance import module_of
@@ -49,6 +50,13 @@ class Explanation:
     break_reasons: list[str]
     ranges: Optional[Any] = None  # a fxamp.debug.RangeTable, with explain(ranges=True)
     eager_modules: list[str] = dataclasses.field(default_factory=list)  # not traced (RNNs)
+    gemms: list[GemmChoice] = dataclasses.field(default_factory=list)  # with float8=...
+
+    @property
+    def float8_flop_share(self) -> float:
+        """The share of the GEMM FLOPs (forward, 2*M*K*N each) that run in float8."""
+        total = sum(g.flops for g in self.gemms)
+        return sum(g.flops for g in self.gemms if g.float8) / total if total else 0.0
 
     @property
     def casts_inserted(self) -> int:
@@ -64,6 +72,14 @@ class Explanation:
     def ops_in_fp32(self) -> int:
         return sum(r.output == "f32" and r.policy in ("fp32", "fp32_set_opt_dtype")
                    for r in self.rows)
+
+    def gemm_report(self) -> str:
+        """Every GEMM, whether it runs in float8 and why, and the float8 share of GEMM FLOPs."""
+        f8 = self.config.float8
+        title = "no float8" if f8 is None else f"float8 {f8.recipe}, {f8.scaling} scaling"
+        return "\n".join([f"== GEMMs ({title}) ==", _gemm_table(self.gemms),
+                          f"float8: {sum(g.float8 for g in self.gemms)} of {len(self.gemms)} "
+                          f"GEMMs, {100 * self.float8_flop_share:.1f} % of GEMM FLOPs"])
 
     def __str__(self) -> str:
         c = self.config
@@ -81,6 +97,8 @@ class Explanation:
         for i, g in enumerate(self.backward_graphs):
             out += ["", f"== backward graph {i} ==", format_graph(g, marks=False)]
         out += ["", "== compute ops ==", _table(self.rows)]
+        if c.float8 is not None:
+            out += ["", self.gemm_report()]
         if self.ranges is not None:
             out += ["", "== value ranges ==", str(self.ranges)]
         return "\n".join(out)
@@ -94,20 +112,40 @@ def _table(rows: list[OpRow]) -> str:
     return "\n".join([fmt(header), *(fmt(r) for r in body)])
 
 
+def _gemm_table(gemms: list[GemmChoice]) -> str:
+    header = ("op", "module", "M x K x N", "runs in", "why")
+    body = [(g.op, g.module, "x".join(map(str, g.shape)) if g.shape else "-",
+             "float8" if g.float8 else "-", g.reason) for g in gemms]
+    widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(4)]
+    fmt = lambda row: "  ".join(str(v).ljust(w) for v, w in zip(row, widths)) + "  " + row[4]
+    return "\n".join([fmt(header), *(fmt(r) for r in body)])
+
+
+def _gemms(gm: fx.GraphModule) -> list[GemmChoice]:
+    return [n.meta[FLOAT8_META] for n in gm.graph.nodes if FLOAT8_META in n.meta]
+
+
+def _op_name(node: fx.Node) -> str:
+    if is_float8_gemm(node):
+        return f"{node.meta[FLOAT8_META].op} (float8)"
+    return str(node.target).replace("aten.", "")
+
+
 def _rows(index: int, gm: fx.GraphModule) -> list[OpRow]:
     rows = []
     for node in gm.graph.nodes:
         decision = node.meta.get(FXAMP_META)
         if node.op != "call_function" or decision is None or decision.inserted:
             continue
-        if not is_compute_op(node.target) or not any(d is not None and d.is_floating_point
+        compute = is_compute_op(node.target) or is_float8_gemm(node)
+        if not compute or not any(d is not None and d.is_floating_point
                                                      for d in decision.input_dtypes):
             continue
         module = module_of(node.meta.get("nn_module_stack"))[0]
         val = node.meta.get("val")
         inputs = ",".join(short_dtype(d) for d in decision.input_dtypes if d is not None)
         output = short_dtype(val.dtype) if isinstance(val, torch.Tensor) else "-"
-        rows.append(OpRow(index, str(node.target).replace("aten.", ""), module or "<root>",
+        rows.append(OpRow(index, _op_name(node), module or "<root>",
                           decision.policy.value, decision.reason, inputs, output))
     return rows
 
@@ -171,5 +209,7 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: Optional[str
         table = range_stats(model_or_fn, [example_inputs], backward=backward, config=config,
                             opt_level=opt_level, **overrides)
     eager = untraced_modules(model_or_fn) if isinstance(model_or_fn, torch.nn.Module) else []
+    gemms = [g for cg in graphs for gm in (cg.graph_module, *policy_bodies(cg.graph_module))
+             for g in _gemms(gm)]
     return Explanation(prepared.config, graphs, recorder.backward, rows,
-                       len(reasons), reasons, table, eager)
+                       len(reasons), reasons, table, eager, gemms)

@@ -25,6 +25,7 @@ from fxamp.config import AmpConfig
 from fxamp.copies import forget_copyable, make_copyable
 from fxamp.eager_regions import warn_untraced, with_policy_autocast
 from fxamp.errors import ConfigError
+from fxamp.float8.config import check_float8_support
 from fxamp.rules import check_module_overrides
 
 __all__ = ["prepare", "Prepared", "CompileSettings", "requested_config", "check_model",
@@ -112,7 +113,9 @@ def check_model(model: Any, config: AmpConfig) -> AmpConfig:
         raise ConfigError(f"{type(model).__name__} has no floating-point parameters or buffers:"
                           " fxamp only changes floating-point computation")
     check_module_overrides(model, config)
-    return config.resolve(config.device_type or floating[0].device.type)
+    resolved = config.resolve(config.device_type or floating[0].device.type)
+    check_float8_support(resolved.float8, resolved.device_type, resolved.dtype)
+    return resolved
 
 
 def prepare(model_or_fn: Callable[..., Any], config: Optional[AmpConfig], *,
