@@ -1,7 +1,9 @@
 """fxamp: Apex-style automatic mixed precision for PyTorch 2, as FX graph passes."""
 
-from fxamp.backend import FxampBackend, backend, backend_of, compile, config_of
+from fxamp.backend import FxampBackend, backend
+from fxamp.prepare import backend_of, compile, config_of
 from fxamp.config import AmpConfig
+from fxamp.float8 import Float8Config
 from fxamp.errors import BannedOpError, ConfigError, EagerRegionWarning, FxampError
 from fxamp.policy import CastPolicy
 from fxamp.explain import Explanation, explain
@@ -15,6 +17,7 @@ __all__ = [
     "CastPolicy",
     "Explanation",
     "explain",
+    "Float8Config",
     "ConfigError",
     "EagerRegionWarning",
     "FxampBackend",

@@ -16,6 +16,7 @@ import torch
 
 from fxamp import validation
 from fxamp.errors import ConfigError
+from fxamp.float8.config import Float8Config, as_float8_config
 
 __all__ = ["AmpConfig", "OPT_LEVELS", "POLICY_PRESETS"]
 
@@ -135,6 +136,8 @@ class AmpConfig:
         module_overrides: (module-path pattern or module class name, policy) pairs.
         min_loss_scale, max_loss_scale, num_losses: loss-scaler settings (Apex names).
         device_type: the compute device ("cpu", "cuda"); only its tensors are cast.
+        float8: a Float8Config to run the model's GEMMs in float8 on top of O1/O2/O3
+            (docs/float8.md), or None.
     """
 
     opt_level: str = "O1"
@@ -152,9 +155,15 @@ class AmpConfig:
     max_loss_scale: float = 2.0**24
     num_losses: int = 1
     device_type: Optional[str] = None
+    float8: Optional[Float8Config] = None
 
     def __post_init__(self) -> None:
         check_opt_level(self.opt_level)
+        if self.float8 is not None and not isinstance(self.float8, Float8Config):
+            raise ConfigError(f"float8={self.float8!r} must be a fxamp.Float8Config or None")
+        if self.float8 is not None and self.opt_level == "O0":
+            raise ConfigError("float8 runs GEMMs in float8 on top of a mixed-precision level: "
+                              "use opt_level='O1' or 'O2' (O0 is the fp32 baseline)")
         if self.dtype is not None:
             _as_dtype(self.dtype, "dtype", LOW_DTYPES)
         if self.policy is not None and self.policy not in POLICY_PRESETS:
@@ -220,6 +229,7 @@ class AmpConfig:
         min_loss_scale: Optional[float] = None,
         max_loss_scale: float = 2.0**24,
         num_losses: int = 1,
+        float8: Any = None,
     ) -> "AmpConfig":
         """The preset of an Apex opt level with Apex-style overrides (any non-None value wins).
 
@@ -261,6 +271,7 @@ class AmpConfig:
             min_loss_scale=min_loss_scale,
             max_loss_scale=max_loss_scale,
             num_losses=num_losses,
+            float8=as_float8_config(float8),
             **preset,
         )
 

@@ -11,8 +11,6 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 
 from fxamp.arguments import check_compiler, check_model_list
-from fxamp.backend import _check_model
-from fxamp.backend import compile as _compile
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.optim import optimizers
@@ -21,7 +19,7 @@ from fxamp.optim.fp16_optimizer import _check_inner as check_wrappable
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.master_grads import master_params_of
 from fxamp.optim.optimizer import FusedOptimizer
-from fxamp.rules import check_module_overrides
+from fxamp.prepare import CompileSettings, check_model, prepare
 
 __all__ = ["initialize", "scale_loss", "master_params", "amp_state_dict", "load_amp_state_dict"]
 
@@ -71,7 +69,7 @@ def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool =
     _check_models(model_list, config)
     _check_optimizers(opt_list)
     # Everything is checked: from here on models and optimizers change.
-    compiled = [_compile(m, config=config, compiler=compiler) for m in model_list]
+    compiled = [prepare(m, config, settings=CompileSettings(compiler)).fn for m in model_list]
     inductor = compiler == "inductor"
     scalers = [LossScaler.from_config(config, compile=inductor) for _ in range(num_losses)]
     converted = [_convert(o, config, scalers, inductor) for o in opt_list]
@@ -100,8 +98,7 @@ def _check_models(models: list, config: AmpConfig) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConfigError("it is already wrapped in DistributedDataParallel; call "
                               "initialize first and wrap the returned model afterwards")
-        _check_model(model)
-        check_module_overrides(model, config)
+        check_model(model, config)
 
     check_model_list(models, check_one)
 

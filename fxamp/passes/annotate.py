@@ -31,7 +31,8 @@ BOUNDARY_REASON = "model boundary cast (fxamp.compile)"
 
 _SHORT = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16",
           torch.float64: "f64", torch.int64: "i64", torch.int32: "i32", torch.bool: "b8",
-          torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16"}
+          torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16",
+          torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 def short_dtype(dtype: Optional[torch.dtype]) -> str:

@@ -1,0 +1,126 @@
+"""Float8 training as configuration: the recipes (data) and `Float8Config` (validated, frozen).
+
+A recipe says, for the three GEMMs of a matmul (the output, grad_input and grad_weight), which
+float8 dtype each operand is cast to and at which granularity its scale is computed. The two
+recipes are torchao's (`torchao.float8.Float8LinearConfig.from_recipe_name`): `tensorwise`
+(one scale per tensor, e4m3 forward operands and e5m2 gradients) and `rowwise` (one scale per
+row of the left operand and per column of the right one, over the contraction dim, e4m3
+everywhere, scales rounded down to powers of two).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+
+from fxamp.errors import ConfigError
+
+__all__ = ["Float8Config", "Recipe", "RECIPES", "SCALINGS", "E4M3", "E5M2", "as_float8_config"]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+SCALINGS = ("dynamic", "delayed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """The float8 dtypes and scale granularity of one recipe (torchao's semantics).
+
+    Attributes:
+        name: "tensorwise" or "rowwise".
+        input, weight, grad_output: float8 dtypes of the three GEMM operands.
+        rowwise: scales per row/column over the contraction dim, else one per tensor.
+        pow2_scales: round every scale down to a power of two.
+        fast_accum_output: `use_fast_accum` of the output GEMM (the gradient GEMMs never).
+    """
+
+    name: str
+    input: torch.dtype
+    weight: torch.dtype
+    grad_output: torch.dtype
+    rowwise: bool
+    pow2_scales: bool
+    fast_accum_output: bool = True
+
+
+RECIPES: dict[str, Recipe] = {
+    "tensorwise": Recipe("tensorwise", E4M3, E4M3, E5M2, rowwise=False, pow2_scales=False),
+    "rowwise": Recipe("rowwise", E4M3, E4M3, E4M3, rowwise=True, pow2_scales=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Config:
+    """Which GEMMs run in float8, and how.
+
+    Attributes:
+        recipe: "tensorwise" or "rowwise" (`RECIPES`).
+        scaling: "dynamic" (scales from the tensor itself, every step) or "delayed" (scales
+            from an amax history kept in device buffers; tensorwise only).
+        history_len: length of the amax history for delayed scaling.
+        skip_modules: module paths (fnmatch globs such as "layers.*.attn.*") or class names
+            whose GEMMs stay in the model dtype (torchao's `module_filter_fn`, as data).
+        min_dim: GEMMs whose K or N is smaller stay in the model dtype (too small to gain).
+    """
+
+    recipe: str = "tensorwise"
+    scaling: str = "dynamic"
+    history_len: int = 16
+    skip_modules: tuple[str, ...] = ()
+    min_dim: int = 64
+
+    def __post_init__(self) -> None:
+        if isinstance(self.skip_modules, list):
+            object.__setattr__(self, "skip_modules", tuple(self.skip_modules))
+        if self.recipe not in RECIPES:
+            raise ConfigError(f"float8 recipe {self.recipe!r} is not one of "
+                              f"{', '.join(map(repr, RECIPES))}")
+        if self.scaling not in SCALINGS:
+            raise ConfigError(f"float8 scaling={self.scaling!r} is not one of 'dynamic', "
+                              "'delayed'")
+        if self.scaling == "delayed" and self.recipe != "tensorwise":
+            raise ConfigError(f"float8 scaling='delayed' works with recipe='tensorwise', not "
+                              f"{self.recipe!r} (one amax per tensor is what a history keeps)")
+        for name in ("history_len", "min_dim"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ConfigError(f"float8 {name}={value!r} must be a positive int")
+        if isinstance(self.skip_modules, str) or not all(
+                isinstance(p, str) for p in self.skip_modules):
+            raise ConfigError(f"float8 skip_modules={self.skip_modules!r} must be a tuple of "
+                              "module paths (globs allowed) or class names")
+
+    @property
+    def spec(self) -> Recipe:
+        return RECIPES[self.recipe]
+
+
+def as_float8_config(value: Union[None, str, Float8Config]) -> Optional[Float8Config]:
+    """`float8=` as the entry points take it: None, a recipe name or a Float8Config."""
+    if value is None or isinstance(value, Float8Config):
+        return value
+    if isinstance(value, str):
+        return Float8Config(recipe=value)
+    raise ConfigError(f"float8={value!r} must be None, a recipe name ('tensorwise', "
+                      "'rowwise') or a fxamp.Float8Config")
+
+
+def check_float8_support(f8: Optional[Float8Config], device_type: str,
+                         dtype: Optional[torch.dtype]) -> None:
+    """Refuse a float8 config that this torch build cannot run on `device_type` (before
+    anything is changed): `torch._scaled_mm` is probed with the recipe's scales."""
+    if f8 is None:
+        return
+    from fxamp._compat import scaled_mm_refusal  # lazily: _compat imports torch._dynamo
+
+    out = torch.bfloat16 if f8.spec.rowwise else (dtype or torch.float32)
+    why = scaled_mm_refusal(device_type, f8.spec.rowwise, out)
+    if why is not None:
+        raise ConfigError(
+            f"float8 recipe {f8.recipe!r} cannot run on {device_type!r} with torch "
+            f"{torch.__version__}: torch._scaled_mm refused a {'row' if f8.spec.rowwise else 'tensor'}"
+            f"-scaled float8 GEMM ({why}). Use recipe='tensorwise'"
+            f"{'' if f8.spec.rowwise else ' on a GPU with compute capability 8.9+'}, a newer "
+            "torch, or float8=None")

@@ -1,0 +1,97 @@
+"""Golden graphs of the float8 pass (tensorwise, O2 bf16, CPU): the forward graph after fxamp
+and the backward AOTAutograd derives from it, a dtype on every value.
+
+Regenerate after an intended change with `EXPECTTEST_ACCEPT=1 python -m pytest <this file>`.
+"""
+
+import pytest
+import torch
+
+expecttest = pytest.importorskip("expecttest")
+
+import fxamp
+from fxamp.testing import format_graph
+
+
+class TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 64, bias=False)
+        self.fc2 = torch.nn.Linear(64, 32, bias=False)  # N=32 < min_dim: stays bf16
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _scaled_mm_operands(gm):
+    """(operand dtypes, output dtype) of every _scaled_mm in a graph."""
+    return [(tuple(str(a.meta["val"].dtype) for a in n.args[:2]), str(n.meta["val"].dtype))
+            for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_mm.default]
+
+
+class TestFloat8Golden(expecttest.TestCase):
+    def test_two_layers_tensorwise(self):
+        report = fxamp.explain(TwoLayers(), torch.randn(16, 64), opt_level="O2",
+                               float8="tensorwise", backward=True)
+        self.assertExpectedInline(format_graph(report.graphs[0].graph_module), """\
+args_0: f32[16,64]
+fc1_weight: bf16[64,64]
+fc2_weight: bf16[32,64]
+to: bf16[16,64] = to.dtype(args_0, bf16)  # fxamp boundary
+float8_linear: bf16[16,64] = float8_linear(to, fc1_weight, None, 'tensorwise')
+relu: bf16[16,64] = relu(float8_linear)
+linear_1: bf16[16,32] = linear(relu, fc2_weight)
+to_1: f32[16,32] = to.dtype(linear_1, f32)  # fxamp boundary
+return [to_1]""")
+        self.assertExpectedInline(format_graph(report.backward_graphs[0], marks=False), """\
+view: bf16[16,64]
+relu: bf16[16,64]
+detach: bf16[16,64]
+t_1: bf16[64,32]
+tangents_1: f32[16,32]
+_to_copy_10: bf16[16,32] = _to_copy(tangents_1, dtype=bf16, layout=torch.strided, device=device(type='cpu'))
+t_2: bf16[32,16] = t(_to_copy_10)
+mm_1: bf16[32,64] = mm(t_2, relu)
+t_3: bf16[64,32] = t(mm_1)
+t_4: bf16[32,64] = t(t_1)
+mm_2: bf16[16,64] = mm(_to_copy_10, t_4)
+t_5: bf16[32,64] = t(t_3)
+detach_1: bf16[16,64] = detach(detach)
+threshold_backward: bf16[16,64] = threshold_backward(mm_2, detach_1, 0)
+view_2: bf16[16,64] = view(threshold_backward, [16, 64])
+t_9: bf16[64,16] = t(view_2)
+abs_5: bf16[64,16] = abs(t_9)
+max_5: bf16[] = max(abs_5)
+_to_copy_19: f64[] = _to_copy(max_5, dtype=f64)
+clamp_8: f64[] = clamp(_to_copy_19, 1e-12)
+reciprocal_8: f64[] = reciprocal(clamp_8)
+mul_8: f64[] = mul.Tensor(reciprocal_8, 57344.0)
+_to_copy_20: f32[] = _to_copy(mul_8, dtype=f32)
+_to_copy_21: f32[64,16] = _to_copy(t_9, dtype=f32)
+mul_9: f32[64,16] = mul.Tensor(_to_copy_21, _to_copy_20)
+clamp_9: f32[64,16] = clamp(mul_9, -57344.0, 57344.0)
+_to_copy_22: e5m2[64,16] = _to_copy(clamp_9, dtype=e5m2)
+abs_6: bf16[16,64] = abs(view)
+max_6: bf16[] = max(abs_6)
+_to_copy_23: f64[] = _to_copy(max_6, dtype=f64)
+clamp_10: f64[] = clamp(_to_copy_23, 1e-12)
+reciprocal_9: f64[] = reciprocal(clamp_10)
+mul_10: f64[] = mul.Tensor(reciprocal_9, 448.0)
+_to_copy_24: f32[] = _to_copy(mul_10, dtype=f32)
+_to_copy_25: f32[16,64] = _to_copy(view, dtype=f32)
+mul_11: f32[16,64] = mul.Tensor(_to_copy_25, _to_copy_24)
+clamp_11: f32[16,64] = clamp(mul_11, -448.0, 448.0)
+_to_copy_26: e4m3[16,64] = _to_copy(clamp_11, dtype=e4m3)
+clone_1: e5m2[64,16] = clone(_to_copy_22, memory_format=torch.contiguous_format)
+t_10: e4m3[64,16] = t(_to_copy_26)
+clone_2: e4m3[64,16] = clone(t_10, memory_format=torch.contiguous_format)
+t_11: e4m3[16,64] = t(clone_2)
+reciprocal_10: f32[] = reciprocal(_to_copy_20)
+reciprocal_11: f32[] = reciprocal(_to_copy_24)
+_scaled_mm_2: bf16[64,64] = _scaled_mm(clone_1, t_11, reciprocal_10, reciprocal_11, None, None, bf16)
+t_12: bf16[64,64] = t(_scaled_mm_2)
+t_13: bf16[64,64] = t(t_12)
+return [None, t_13, t_5]""")
+        # the weight gradient of fc1 is one e5m2 x e4m3 GEMM with a bf16 result
+        self.assertEqual(_scaled_mm_operands(report.backward_graphs[0]),
+                         [(("torch.float8_e5m2", "torch.float8_e4m3fn"), "torch.bfloat16")])
