@@ -10,6 +10,8 @@ For each size it times, in one process, one optimizer step of:
   compiled      torch.compile(AdamW.step), no loss scaling (fp32)
   eager O2      torch's way to O2: GradScaler's check pass + fused AdamW on fp32 masters + the
                 copy to the 16-bit model
+  fxamp NAME    O2 with a bf16 model: fxamp with state_format NAME (low_memory, compensated,
+                stochastic+int8; docs/optimizer.md)
 and prints the bytes each method keeps per parameter between steps (model, gradients, masters,
 optimizer state: the distinct storages behind them), ms per step, effective GB/s at the bytes
 each parameter must move (28: an fp32 Adam step, or a 16-bit model with fp32 masters, moments
@@ -206,6 +208,11 @@ def count_kernels(step: Callable, device) -> int:
         "cpp_fused" in e.name or (e.name.startswith("aten::") and e.name not in NO_KERNEL)))
 
 
+# The StateFormats (docs/optimizer.md) timed beside fp32 masters in O2.
+LOW_MEMORY_FORMATS = {"low_memory": "low_memory", "compensated": "compensated",
+                      "stochastic+int8": fo.StateFormat("stochastic", "int8")}
+
+
 def methods(mode: str, device, low: torch.dtype, compile: bool = True):
     """`compile=False` (a smoke test of this script) runs fxamp's step uncompiled."""
     if mode == "O1":
@@ -216,10 +223,16 @@ def methods(mode: str, device, low: torch.dtype, compile: bool = True):
                 "fused+GS": lambda s: build_torch(s, device, fused=True),
                 "compiled": lambda s: build_torch_compiled(s, device),
                 "eager O2": lambda s: build_torch_o2(s, device, low)}
-    return {"fxamp": lambda s: build_fxamp(s, device, low, compile=compile),
+    rows = {"fxamp": lambda s: build_fxamp(s, device, low, compile=compile),
             "fxamp+clip": lambda s: build_fxamp(s, device, low, clip=True, compile=compile),
             "fused+GS": lambda s: build_torch(s, device, fused=True),
             "eager O2": lambda s: build_torch_o2(s, device, low)}
+    if low == torch.bfloat16:  # the 16-bit master formats need a bf16 model
+        for name, fmt in LOW_MEMORY_FORMATS.items():
+            rows[f"fxamp {name}"] = lambda s, fmt=fmt: build_fxamp(s, device, low,
+                                                                  compile=compile,
+                                                                  state_format=fmt)
+    return rows
 
 
 def run_size(n_params: int, args, device, low) -> dict:

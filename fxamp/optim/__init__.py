@@ -12,6 +12,7 @@ from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.optim.optimizers import LAMB, SGD, Adam, AdamW
+from fxamp.optim.state_format import StateFormat
 
 __all__ = [
     "Adam",
@@ -21,6 +22,7 @@ __all__ = [
     "FP16_Optimizer",
     "FusedOptimizer",
     "LossScaler",
+    "StateFormat",
     "initialize",
     "scale_loss",
     "master_params",

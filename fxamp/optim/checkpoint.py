@@ -17,6 +17,7 @@ import torch
 from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.optim import param_checks
+from fxamp.optim.codecs import BLOCK
 
 if TYPE_CHECKING:
     from fxamp.optim.optimizer import FusedOptimizer
@@ -24,20 +25,40 @@ if TYPE_CHECKING:
 __all__ = ["expose_state", "state_dict", "load_state_dict"]
 
 log = logging.getLogger(__name__)
+_CODES = {torch.int8, torch.uint8}
 
 
 def expose_state(opt: "FusedOptimizer") -> None:
     """Fill `opt.state[p]` with per-parameter views of the flat state buffers."""
-    keys = opt.algorithm.state_keys
-    for bucket, states in zip(opt.buckets, opt._states):
-        per_key = [(k, bucket.views(s)) for k, s in zip(keys, states)]
-        masters = None if bucket.master is None else bucket.views(bucket.master)
+    for bucket, held in zip(opt.buckets, opt._bucket_states):
+        per_key = _state_views(bucket, held, opt.algorithm.state_keys)
+        if bucket.master is not None:
+            per_key.append(("master_param", bucket.views(bucket.master)))
+        if held.correction is not None:
+            per_key.append(("master_correction", bucket.views(held.correction)))
         for i, p in enumerate(bucket.params):
             entry: dict[str, Any] = {"step": opt._step_count}
             entry.update((k, views[i]) for k, views in per_key)
-            if masters is not None:
-                entry["master_param"] = masters[i]
             opt.state[p] = entry
+
+
+def _state_views(bucket, held, keys) -> list[tuple[str, list]]:
+    """Per-parameter views of each state: int8 codes shaped like the parameter, and their
+    bf16 block scales under "<key>_scale" (Note [8-bit moments] in codecs.py: a block never
+    straddles two parameters)."""
+    out = []
+    for key, bufs in zip(keys, held.states):
+        out.append((key, bucket.views(bufs[0])))
+        if len(bufs) == 2:
+            out.append((f"{key}_scale", [bufs[1][o // BLOCK:(o + n + BLOCK - 1) // BLOCK]
+                                         for o, n in zip(bucket.offsets, _local_numels(bucket))]))
+    return out
+
+
+def _local_numels(bucket) -> list[int]:
+    if bucket.sharded:
+        return [p.to_local().numel() for p in bucket.params]
+    return [p.numel() for p in bucket.params]
 
 
 def _param_ids(opt: "FusedOptimizer") -> dict[int, int]:
@@ -112,6 +133,13 @@ def _check_entry(live: dict[str, Any], entry: Any, param: torch.Tensor, index: i
         if key == "step":
             step = value.item() if isinstance(value, torch.Tensor) else value
             validation.non_negative(step, f"state[{index}]['step']")
+        elif key in live and isinstance(value, torch.Tensor) and \
+                {value.dtype, live[key].dtype} & _CODES and value.dtype != live[key].dtype:
+            raise ConfigError(
+                f"state {key!r} of parameter {index} is {value.dtype} in the state dict but "
+                f"{live[key].dtype} here: the checkpoint was saved with another state_format "
+                "(8-bit moments are saved as codes and scales); build the optimizer with the "
+                "checkpoint's state_format to load it")
         elif key in live and (not isinstance(value, torch.Tensor)
                               or tuple(value.shape) != tuple(live[key].shape)):
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__

@@ -42,14 +42,14 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from fxamp._compat import compile_fresh
-from fxamp.optim import distributed
+from fxamp.optim import codecs, distributed
 from fxamp.optim.scale_rule import ScaleRule, next_scale_state, scale_is_valid
 
 __all__ = ["prologue", "update", "fold_grads", "gather_grads", "inverse", "compiled", "eager"]
 
 Tensor = torch.Tensor
 # Columns the prologue appends to every group's row of scalars.
-GRAD_SCALE, SKIP = -2, -1
+STEP, GRAD_SCALE, SKIP = -3, -2, -1
 
 
 def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Tensor,
@@ -58,7 +58,7 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
              coefs_fn: Callable[[Tensor, Tensor], Tensor], check: bool,
              max_norm: Optional[float], rule: Optional[ScaleRule], group: Any = None,
              sharded: Sequence[bool] = ()) -> Tensor:
-    """Reductions and per-step scalars; returns the [groups, K + 2] scalars for `update`.
+    """Reductions and per-step scalars; returns the [groups, K + 3] scalars for `update`.
 
     `found_in` is an overflow already seen (by `fold_grads`); the scale update only runs for
     `scaler_state`, whose scale the gradients carry. With a process `group`, the flag and the
@@ -89,7 +89,7 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
         grad_scale = inv_scale * (max_norm / (norm + 1e-6)).clamp_max(1.0)
     new_step = step + (~found).to(step.dtype)
     coefs = coefs_fn(hyper, new_step).float()
-    tail = torch.stack([grad_scale, found.float()]).expand(coefs.shape[0], 2)
+    tail = torch.stack([new_step.float(), grad_scale, found.float()]).expand(coefs.shape[0], 3)
     step.copy_(new_step)
     found_out.copy_(found)
     if scaler_state is not None and rule.dynamic:
@@ -98,24 +98,41 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
     return torch.cat([coefs, tail], 1)
 
 
-def update(weights: Sequence[Tensor], grads: Sequence[Tensor],
-           states: Sequence[Sequence[Tensor]], models: Sequence[Optional[Tensor]],
+def update(weights: Sequence[tuple[Tensor, ...]], grads: Sequence[Tensor],
+           states: Sequence[Sequence[tuple[Tensor, ...]]], models: Sequence[Optional[Tensor]],
            coefs: Tensor, groups: Sequence[int], aux: Sequence[tuple], *,
-           update_fn: Callable) -> None:
-    """One elementwise pass per bucket: unscale and clip the gradient, apply the rule, select
-    the old values when skipping, write the weights, the states and the model copy."""
-    for w, g, st, model, gi, ax in zip(weights, grads, states, models, groups, aux):
+           update_fn: Callable, masters: Sequence[str], unsigned: Sequence[bool],
+           seed: int = 0) -> None:
+    """One elementwise pass per bucket: decode the weights and states, unscale and clip the
+    gradient, apply the rule, encode, select the old values when skipping, write the weights,
+    the states and the model copy.
+
+    `weights[i]` is the bucket's weight buffers (the master or parameters, and a correction
+    for a 16-bit master, Note [16-bit masters] in codecs.py) and `masters[i]` their kind;
+    each state is a tuple of buffers (one, or int8 codes and scales, Note [8-bit moments]);
+    `unsigned[k]` says whether state k is non-negative.
+    """
+    for i, (w, g, st, model, gi, ax) in enumerate(zip(weights, grads, states, models, groups,
+                                                      aux)):
         c = coefs[gi]
         skip = c[SKIP] != 0
-        w32 = w.float()
-        new_w, new_st = update_fn(w32, g.float() * c[GRAD_SCALE],
-                                  tuple(s.float() for s in st), c, *ax)
-        new_w = torch.where(skip, w32, new_w)
-        w.copy_(new_w)
-        for s, new in zip(st, new_st):
-            s.copy_(torch.where(skip, s.float(), new))
+        new_w, new_st = update_fn(codecs.decode_master(w, masters[i]),
+                                  g.float() * c[GRAD_SCALE],
+                                  tuple(codecs.decode_state(s, u) for s, u in zip(st, unsigned)),
+                                  c, *ax)
+        bits = None
+        if masters[i] == "stochastic":
+            bits = codecs.random_bits(w[0].numel(), seed, c[STEP], i)
+        _write(w, codecs.encode_master(new_w, w, masters[i], bits), skip)
+        for s, new, u in zip(st, new_st, unsigned):
+            _write(s, codecs.encode_state(new, s, u), skip)
         if model is not None:
-            model.copy_(new_w)
+            model.copy_(torch.where(skip, model, new_w.to(model.dtype)))
+
+
+def _write(bufs: Sequence[Tensor], new: Sequence[Tensor], skip: Tensor) -> None:
+    for old, value in zip(bufs, new):
+        old.copy_(torch.where(skip, old, value))
 
 
 def fold_grads(raws: Sequence[Tensor], accs: Sequence[Tensor], inv_scale: Tensor,

@@ -14,12 +14,15 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import checkpoint, distributed, fused_step, param_checks, scaled_graphs
+from fxamp.optim import (checkpoint, distributed, fused_step, param_checks, scaled_graphs,
+                         state_buffers)
 from fxamp.optim.algorithms import LAMB, Algorithm
 from fxamp.optim.flat import FlatBucket, flatten_param_groups
 from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.master_grads import MasterGrads
+from fxamp.optim.state_format import as_state_format
+from fxamp.optim.state_format import check_params as check_state_params
 
 __all__ = ["FusedOptimizer"]
 
@@ -45,18 +48,23 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
 
     def __init__(self, params: Any, defaults: dict[str, Any], *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
-                 compile: bool = True, process_group: Any = distributed.AUTO) -> None:
+                 compile: bool = True, process_group: Any = distributed.AUTO,
+                 state_format: Any = None) -> None:
         self._buckets: Optional[list[FlatBucket]] = None
         owner = type(self).__name__
         super().__init__(param_checks.as_param_list(params, owner), defaults)
         param_checks.check_has_params(self.param_groups, owner)
         self.max_grad_norm = param_checks.check_max_grad_norm(max_grad_norm)
         self.master_weights = master_weights
+        self.state_format = as_state_format(state_format)
+        """How masters and moments are stored (StateFormat; docs/optimizer.md)."""
+        check_state_params(self.state_format, self.param_groups, master_weights, owner)
         self._fns = fused_step.compiled() if compile else fused_step.eager
         self._fold_fn = self._fns["fold_grads"]
         self._unit = LossScaler(1.0, compile=compile)  # for unscale_ without any scaler
-        self._buckets = flatten_param_groups(self.param_groups, master_weights=master_weights,
-                                             owner=type(self).__name__)
+        self._buckets = flatten_param_groups(
+            self.param_groups, master_weights=master_weights and self.state_format.master == "fp32",
+            owner=owner)
         self._init_group(process_group)
         device = next(p for g in self.param_groups for p in g["params"]).device
         self._init_device_state(device)
@@ -89,10 +97,8 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         """Whether the last step was skipped, as a 0-dim device tensor."""
         self.grad_norm = torch.full((), float("nan"), device=device)
         """Total norm of the unscaled gradients at the last step (only with max_grad_norm)."""
-        self._states = [
-            tuple(b.state_like() for _ in self.algorithm.state_keys)
-            if self.algorithm.has_state(self.param_groups[b.group_index]) else ()
-            for b in self._buckets]
+        self._bucket_states = state_buffers.allocate(self._buckets, self.state_format,
+                                                     self.algorithm, self.param_groups)
         self._aux = [self.algorithm.aux(b) for b in self._buckets]
         self._device = device
 
@@ -174,10 +180,13 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
             coefs_fn=self.algorithm.coefs, check=check, max_norm=self.max_grad_norm,
             rule=None if scaler is None else scaler.rule, **self._dist_kwargs())
         b = self._buckets
+        bs = self._bucket_states
         self._fns["update"](
-            [x.weights for x in b], grads, self._states,
+            [s.weights(x) for x, s in zip(b, bs)], grads, [s.states for s in bs],
             [None if x.master is None else x.param for x in b], coefs,
-            tuple(x.group_index for x in b), self._aux, update_fn=self.algorithm.update)
+            tuple(x.group_index for x in b), self._aux, update_fn=self.algorithm.update,
+            masters=tuple(s.master for s in bs), seed=self.state_format.seed,
+            unsigned=tuple(k in state_buffers.UNSIGNED_STATES for k in self.algorithm.state_keys))
         for bucket in b:
             bucket.write_back()
 

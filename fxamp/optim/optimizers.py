@@ -24,6 +24,10 @@ _COMMON_ARGS = """
             adam_w_mode, set_grad_none; FusedSGD: wd_after_momentum, materialize_master_grads,
             set_grad_none), accepted with the values fxamp computes and refused with the fix
             otherwise (docs/optimizer.md).
+        state_format: how masters and moments are stored: a StateFormat, or a preset name
+            ("default": fp32 masters and moments; "low_memory": the bf16 model as its own
+            master with an int8 error term and int8 moments, about 7 bytes per parameter with
+            the model and its gradient; "compensated"); see docs/optimizer.md.
         process_group: the torch.distributed group whose ranks agree on skipping (and on the
             norm of sharded gradients) inside the step: "auto" (default) takes the default group
             when torch.distributed is initialized with more than one rank; None: no agreement."""
@@ -53,12 +57,13 @@ class Adam(FusedOptimizer):
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
-                 compile: bool = True, process_group: Any = AUTO, **apex: bool) -> None:
+                 compile: bool = True, process_group: Any = AUTO, state_format: Any = None,
+                 **apex: bool) -> None:
         _check_apex(self, apex)
         defaults = dict(lr=lr, betas=_tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,
                          master_weights=master_weights, compile=compile,
-                         process_group=process_group)
+                         process_group=process_group, state_format=state_format)
 
 
 class AdamW(Adam):
@@ -94,7 +99,8 @@ class SGD(FusedOptimizer):
     def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
-                 compile: bool = True, process_group: Any = AUTO, **apex: bool) -> None:
+                 compile: bool = True, process_group: Any = AUTO, state_format: Any = None,
+                 **apex: bool) -> None:
         _check_apex(self, apex)
         if nesterov and (validation.non_negative(momentum, "momentum") <= 0
                          or validation.non_negative(dampening, "dampening") != 0):
@@ -104,7 +110,7 @@ class SGD(FusedOptimizer):
                         weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,
                          master_weights=master_weights, compile=compile,
-                         process_group=process_group)
+                         process_group=process_group, state_format=state_format)
 
 
 class LAMB(FusedOptimizer):
@@ -127,11 +133,12 @@ class LAMB(FusedOptimizer):
                  eps: float = 1e-6, weight_decay: float = 0.01, *, grad_averaging: bool = True,
                  use_nvlamb: bool = False, bias_correction: bool = True,
                  max_grad_norm: Optional[float] = 1.0, master_weights: bool = True,
-                 compile: bool = True, process_group: Any = AUTO, **apex: bool) -> None:
+                 compile: bool = True, process_group: Any = AUTO, state_format: Any = None,
+                 **apex: bool) -> None:
         _check_apex(self, apex)
         defaults = dict(lr=lr, betas=_tuple(betas), eps=eps, weight_decay=weight_decay,
                         grad_averaging=grad_averaging, use_nvlamb=use_nvlamb,
                         bias_correction=bias_correction)
         super().__init__(params, defaults, max_grad_norm=max_grad_norm,
                          master_weights=master_weights, compile=compile,
-                         process_group=process_group)
+                         process_group=process_group, state_format=state_format)

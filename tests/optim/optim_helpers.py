@@ -55,10 +55,12 @@ def train(model, opt, steps, scaler=None, bad_steps=(), bad_value=float("inf"), 
 def snapshot(opt):
     """Every tensor a step may write: weights, masters, model params, states, step, scale."""
     tensors = [opt._step_count]
-    for bucket, states in zip(opt.buckets, opt._states):
-        tensors += [bucket.param, *states]
+    for bucket, held in zip(opt.buckets, opt._bucket_states):
+        tensors += [bucket.param, *(t for bufs in held.states for t in bufs)]
         if bucket.master is not None:
             tensors.append(bucket.master)
+        if held.correction is not None:
+            tensors.append(held.correction)
     return [t.detach().clone() for t in tensors]
 
 

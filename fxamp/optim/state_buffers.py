@@ -1,0 +1,51 @@
+"""The buffers a fused optimizer keeps per bucket for its StateFormat (codecs.py encodes them)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from fxamp.optim import codecs
+from fxamp.optim.algorithms import Algorithm
+from fxamp.optim.flat import FlatBucket
+from fxamp.optim.state_format import StateFormat
+
+__all__ = ["UNSIGNED_STATES", "BucketState", "allocate"]
+
+# States that are never negative: stored as uint8 square roots when 8-bit (Note [8-bit moments]).
+UNSIGNED_STATES = frozenset({"exp_avg_sq"})
+
+
+class BucketState:
+    """One bucket's optimizer-side buffers.
+
+    Attributes:
+        master: the kind of master its update reads ("fp32" for fp32 masters, fp32 parameters
+            and 16-bit parameters without masters; else StateFormat.master).
+        correction: what a bf16 model-as-master drops (Note [16-bit masters]), or None.
+        states: per state key, a tuple of buffers (one; or int8 codes and bf16 scales).
+    """
+
+    def __init__(self, bucket: FlatBucket, fmt: StateFormat, keys: Sequence[str]) -> None:
+        own = bucket.master is None and bucket.param.dtype == torch.bfloat16
+        self.master = fmt.master if own else "fp32"
+        self.correction: Optional[torch.Tensor] = codecs.new_correction(bucket.param,
+                                                                        self.master)
+        numel, device = bucket.param.numel(), bucket.param.device
+        # Without masters (master_weights=False) full-width moments are in the model's dtype,
+        # as everything else is (Apex O3).
+        full = bucket.weights.dtype if self.master == "fp32" else torch.float32
+        self.states = tuple(codecs.new_state(numel, fmt.moments, k in UNSIGNED_STATES, device,
+                                             full) for k in keys)
+
+    def weights(self, bucket: FlatBucket) -> tuple[torch.Tensor, ...]:
+        """The buffers `update` decodes into fp32 weights."""
+        return (bucket.weights,) + (() if self.correction is None else (self.correction,))
+
+
+def allocate(buckets: Sequence[FlatBucket], fmt: StateFormat, algorithm: Algorithm,
+             param_groups: Sequence[dict]) -> list[BucketState]:
+    return [BucketState(b, fmt, algorithm.state_keys
+                        if algorithm.has_state(param_groups[b.group_index]) else ())
+            for b in buckets]
