@@ -19,6 +19,7 @@ from fxamp.copies import CompileSettings, forget_copyable, make_copyable
 from fxamp.eager_regions import warn_untraced, with_policy_autocast, without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
+from fxamp.float8.delayed import attach_history, detach_history, history_of
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.rules import check_module_overrides, check_op_override_keys
@@ -90,6 +91,14 @@ class FxampBackend:
         # its weights were not cast since (Dynamo recompiles when a parameter's dtype changes).
         self.model: Optional[torch.nn.Module] = None
 
+    def _float8_history(self, config: AmpConfig):
+        if config.float8 is None or config.float8.scaling != "delayed":
+            return None
+        history = history_of(self.model)
+        if history is None:
+            raise ConfigError(_DELAYED_NEEDS_MODEL)
+        return history
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FxampBackend) and other._key == self._key
 
@@ -113,11 +122,18 @@ class FxampBackend:
             start = time.perf_counter()
             aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
             traced = time.perf_counter()
-            stats = run_passes(aten_gm, config, fake_mode)
+            stats = run_passes(aten_gm, config, fake_mode,
+                               float8_history=self._float8_history(config))
             self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
                                                       time.perf_counter() - traced))
             log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
             return without_autocast(self._inner(aten_gm, example_inputs), config.device_type)
+
+
+_DELAYED_NEEDS_MODEL = (
+    "float8 scaling='delayed' keeps its amax histories in the model's state_dict, which a "
+    "torch.compile backend does not own: use fxamp.compile(model, float8=Float8Config("
+    "scaling='delayed')), or scaling='dynamic' with the backend")
 
 
 def _check_active_ddp() -> None:
@@ -147,6 +163,9 @@ def backend(opt_level: str = "O1", *, compiler: Compiler = "inductor", mode: Opt
         **overrides: `AmpConfig.from_opt_level` keywords (dtype, keep_batchnorm_fp32,
             op_overrides, module_overrides, policy, cast_model_outputs, ...).
     """
+    float8 = overrides.get("float8")
+    if getattr(float8, "scaling", None) == "delayed":
+        raise ConfigError(_DELAYED_NEEDS_MODEL)
     if overrides.get("cast_model_outputs") is not None:
         raise ConfigError("cast_model_outputs applies at the model boundary, which a backend "
                           "does not see: use fxamp.compile(model, cast_model_outputs=...)")
@@ -231,6 +250,9 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
     torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
     With the `record` of the cast, a refusal at the first call restores the model.
     """
+    # A copy being rebuilt (copies.py) is not initialised yet: it gets the original's history.
+    initialised = "_buffers" in model.__dict__
+    history_hook = attach_history(model, fxamp_backend.config.float8) if initialised else None
     forward = boundary_forward(model, fxamp_backend.config)
     compiled = with_policy_autocast(
         torch.compile(forward, backend=fxamp_backend, dynamic=dynamic, fullgraph=fullgraph),
@@ -238,6 +260,8 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
 
     def unprepare() -> None:
         record.undo()
+        if history_hook is not None:
+            detach_history(model, history_hook)
         _compat.set_compiled_call(model, None)
         delattr(model, _BACKEND_ATTR)
         forget_copyable(model)
