@@ -1,4 +1,4 @@
-"""The torch.compile backend that runs fxamp's passes, and `fxamp.compile` on top of it."""
+"""The torch.compile backend that runs fxamp's passes (`fxamp.compile` is in prepare.py)."""
 
 from __future__ import annotations
 
@@ -11,26 +11,22 @@ import torch
 import torch.fx as fx
 
 from fxamp import _compat
-from fxamp.arguments import check_compile_flags, check_compiler, entry_config
-from fxamp.cast_model import CastRecord, boundary_forward, cast_model
-from fxamp.compiled_call import CompiledCall, check_storage
+from fxamp.arguments import check_compiler
+from fxamp.compiled_call import check_storage
 from fxamp.config import AmpConfig
-from fxamp.copies import CompileSettings, forget_copyable, make_copyable
-from fxamp.eager_regions import warn_untraced, with_policy_autocast, without_autocast
+from fxamp.eager_regions import without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
-from fxamp.float8.delayed import attach_history, detach_history, history_of
+from fxamp.float8.delayed import history_of
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
-from fxamp.rules import check_module_overrides, check_op_override_keys
+from fxamp.rules import check_op_override_keys
 
-__all__ = ["FxampBackend", "backend", "backend_of", "compile", "compile_module", "config_of",
-           "CompiledGraph"]
+__all__ = ["FxampBackend", "backend", "CompiledGraph", "Compiler"]
 
 log = logging.getLogger(__name__)
 
 Compiler = Union[str, Callable[[fx.GraphModule, Sequence[Any]], Callable]]
-_BACKEND_ATTR = "_fxamp_backend"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +83,7 @@ class FxampBackend:
         self._inner = _inner_compiler(compiler, mode, options)
         self.compile_args = {"compiler": compiler, "mode": mode, "options": options}
         self.compiled_graphs: list[CompiledGraph] = []
-        # The model fxamp.compile prepared (set by compile_module): each compile checks that
+        # The model fxamp.compile prepared (set by prepare.compile_module): each compile checks that
         # its weights were not cast since (Dynamo recompiles when a parameter's dtype changes).
         self.model: Optional[torch.nn.Module] = None
 
@@ -163,128 +159,13 @@ def backend(opt_level: str = "O1", *, compiler: Compiler = "inductor", mode: Opt
         **overrides: `AmpConfig.from_opt_level` keywords (dtype, keep_batchnorm_fp32,
             op_overrides, module_overrides, policy, cast_model_outputs, ...).
     """
-    float8 = overrides.get("float8")
-    if getattr(float8, "scaling", None) == "delayed":
+    if getattr(overrides.get("float8"), "scaling", None) == "delayed":
         raise ConfigError(_DELAYED_NEEDS_MODEL)
     if overrides.get("cast_model_outputs") is not None:
         raise ConfigError("cast_model_outputs applies at the model boundary, which a backend "
                           "does not see: use fxamp.compile(model, cast_model_outputs=...)")
     return FxampBackend(AmpConfig.from_opt_level(opt_level, **overrides), compiler=compiler,
                         mode=mode, options=options)
-
-
-def _check_model(model: Any) -> torch.device:
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError(f"fxamp.compile takes an nn.Module, not {type(model).__name__}")
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ConfigError("model is already wrapped in DistributedDataParallel: call "
-                          "fxamp.compile first and wrap the result in DDP afterwards")
-    if backend_of(model) is not None:
-        raise ConfigError("model was already prepared by fxamp.compile "
-                          f"({backend_of(model).config.opt_level}); compile it once")
-    tensors = list(model.parameters()) + list(model.buffers())
-    floating = [t for t in tensors if t.is_floating_point()]
-    if not floating:
-        raise ConfigError(f"{type(model).__name__} has no floating-point parameters or buffers:"
-                          " fxamp only changes floating-point computation")
-    return floating[0].device
-
-
-def compile(model: torch.nn.Module, *, opt_level: Optional[str] = None,
-            config: Optional[AmpConfig] = None,
-            enabled: bool = True, compiler: Compiler = "inductor", mode: Optional[str] = None,
-            options: Optional[dict] = None, dynamic: Optional[bool] = None,
-            fullgraph: bool = False, **overrides: Any) -> torch.nn.Module:
-    """Apply an Apex opt level to `model` as compiler passes and compile it with Inductor.
-
-    Like `apex.amp.initialize`, this prepares the model in place and returns it: at O0 the
-    parameters are stored in fp32, at O2/O3 in the low dtype (O2 keeps BatchNorm, and any
-    module overridden to fp32, in fp32), and `model.compile(backend=fxamp.backend(...))`
-    makes every call run the transformed graph, with floating inputs cast to the model dtype
-    and outputs to fp32 (or `cast_model_outputs`) at O0/O2/O3, as Apex did.
-
-    Args:
-        model: a module with floating-point parameters, not yet wrapped in DDP.
-        opt_level: "O0", "O1", "O2" or "O3" (letter O); O1 unless given.
-        config: a ready AmpConfig instead of opt_level + overrides.
-        enabled: False returns `model` untouched.
-        compiler, mode, options: the inner compiler and Inductor's mode / options.
-        dynamic, fullgraph: passed to torch.compile.
-        **overrides: `AmpConfig.from_opt_level` keywords: dtype, keep_batchnorm_fp32,
-            cast_model_type, master_weights, loss_scale, cast_model_outputs, policy,
-            op_overrides, module_overrides, ...
-
-    Returns:
-        The same module object, compiled.
-
-    Raises:
-        ConfigError: for a bad level, override, argument or model; the model is then left
-            unchanged. A refusal at the first call (a banned op, say) restores the model as it
-            was, so that it can be compiled again with the fix.
-    """
-    config = entry_config(config, opt_level, overrides, "fxamp.compile")
-    check_compiler(compiler, mode, options)
-    check_compile_flags(dynamic=dynamic, fullgraph=fullgraph, enabled=enabled)
-    check_op_override_keys(config)
-    if not enabled:
-        return model
-    device = _check_model(model)
-    config = config.resolve(config.device_type or device.type)
-    check_module_overrides(model, config)
-    check_float8_support(config.float8, config.device_type, config.dtype)
-    # Everything is checked: from here on the model changes (Note [Un-preparing a refused model]).
-    record = cast_model(model, config)
-    compile_module(model, FxampBackend(config, compiler=compiler, mode=mode, options=options),
-                   dynamic=dynamic, fullgraph=fullgraph, record=record)
-    warn_untraced(model, config)
-    return model
-
-
-def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend, *,
-                   dynamic: Optional[bool] = None, fullgraph: bool = False,
-                   record: Optional[CastRecord] = None) -> None:
-    """Make every `model(...)` call run the fxamp-compiled graph, boundary casts included.
-
-    fxamp fills the slot `nn.Module.compile` itself fills (`_compat.set_compiled_call`) with
-    the model's call wrapped in its boundary casts (Note [Model-boundary casts]), at O1 under
-    torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
-    With the `record` of the cast, a refusal at the first call restores the model.
-    """
-    # A copy being rebuilt (copies.py) is not initialised yet: it gets the original's history.
-    initialised = "_buffers" in model.__dict__
-    history_hook = attach_history(model, fxamp_backend.config.float8) if initialised else None
-    forward = boundary_forward(model, fxamp_backend.config)
-    compiled = with_policy_autocast(
-        torch.compile(forward, backend=fxamp_backend, dynamic=dynamic, fullgraph=fullgraph),
-        fxamp_backend.config)
-
-    def unprepare() -> None:
-        record.undo()
-        if history_hook is not None:
-            detach_history(model, history_hook)
-        _compat.set_compiled_call(model, None)
-        delattr(model, _BACKEND_ATTR)
-        forget_copyable(model)
-
-    fxamp_backend.model = model
-    _compat.set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
-                                                  None if record is None else unprepare, record))
-    setattr(model, _BACKEND_ATTR, fxamp_backend)
-    settings = CompileSettings(fxamp_backend.config, **fxamp_backend.compile_args,
-                               dynamic=dynamic, fullgraph=fullgraph)
-    make_copyable(model, settings, _BACKEND_ATTR)  # Note [Copies keep the compiled call]
-
-
-def backend_of(model: torch.nn.Module) -> Optional[FxampBackend]:
-    """The FxampBackend `fxamp.compile` attached to `model` (its `compiled_graphs` show every
-    graph it transformed), or None."""
-    return getattr(model, _BACKEND_ATTR, None)
-
-
-def config_of(model: torch.nn.Module) -> Optional[AmpConfig]:
-    """The resolved AmpConfig `fxamp.compile` applied to `model`, or None."""
-    backend = backend_of(model)
-    return None if backend is None else backend.config
 
 
 def registered_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], *,

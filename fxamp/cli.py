@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fxamp._compat import BackendCompilerFailed
+from fxamp.compiled_call import fxamp_error
 from fxamp.config import OPT_LEVELS, POLICY_PRESETS, AmpConfig
 from fxamp.errors import ConfigError, FxampError
 from fxamp.explain import explain
@@ -130,11 +130,10 @@ def _run_explain(args: argparse.Namespace) -> str:
 
 
 def _refusal(error: BaseException) -> Optional[FxampError]:
-    # Dynamo wraps whatever a backend raises in BackendCompilerFailed; fxamp's own refusals
-    # (a banned op, batch_norm statistics it cannot cast) are on `inner_exception`. An
-    # FxampError wrapping another exception is an internal failure: it keeps its traceback.
-    if isinstance(error, BackendCompilerFailed):
-        error = error.inner_exception
+    # fxamp's own refusals (a banned op, batch_norm statistics it cannot cast), unwrapped from
+    # Dynamo's BackendCompilerFailed. An FxampError wrapping another exception is an internal
+    # failure: it keeps its traceback.
+    error = fxamp_error(error)
     return error if isinstance(error, FxampError) and error.__cause__ is None else None
 
 

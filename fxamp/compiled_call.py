@@ -25,7 +25,7 @@ from fxamp.cast_model import CastRecord, storage_dtype
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError, FxampError
 
-__all__ = ["CompiledCall", "check_storage"]
+__all__ = ["CompiledCall", "check_storage", "fxamp_error"]
 
 # Failures of compilation itself (the user's model did not fail): retrying can fix them.
 _COMPILE_FAILURES = (BackendCompilerFailed, Unsupported, UserError, FxampError, ConfigError)
@@ -61,9 +61,18 @@ class CompiledCall:
             self._unprepare()
             self._unprepare = None
             raise _unwrapped(error) from None
-        inner = getattr(error, "inner_exception", None)
-        if isinstance(inner, (FxampError, ConfigError)):
-            raise inner from None  # fxamp's own message, not Dynamo's wrapper around it
+        own = fxamp_error(error)
+        if own is not None and own is not error:
+            raise own from None  # fxamp's own message, not Dynamo's wrapper around it
+
+
+def fxamp_error(error: BaseException) -> Optional[Exception]:
+    """fxamp's own error behind `error`: `error` itself, or the one Dynamo wrapped in
+    BackendCompilerFailed (what a backend raises reaches the caller wrapped); else None.
+    The one place that unwraps Dynamo's errors."""
+    if isinstance(error, BackendCompilerFailed):
+        error = error.inner_exception
+    return error if isinstance(error, (FxampError, ConfigError)) else None
 
 
 def check_storage(model: torch.nn.Module, config: AmpConfig) -> None:
@@ -92,9 +101,7 @@ def _recast_tensors(model: torch.nn.Module, config: AmpConfig) -> Optional[str]:
 
 
 def _unwrapped(error: BaseException) -> BaseException:
-    inner = getattr(error, "inner_exception", None)
-    if isinstance(inner, (FxampError, ConfigError)):
-        error = inner
+    error = fxamp_error(error) or error
     if hasattr(error, "add_note"):  # Python >= 3.11
         error.add_note(_RESTORED)
     return error

@@ -13,53 +13,34 @@ nothing patched: the reducer lives on the instance and travels with its copies.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Optional
+from typing import Callable
 
 import torch
 
-__all__ = ["CompileSettings", "make_copyable", "forget_copyable"]
+__all__ = ["make_copyable", "forget_copyable"]
 
 _REDUCE = "__reduce_ex__"
-
-
-@dataclasses.dataclass(frozen=True)
-class CompileSettings:
-    """What `compile_module` needs to prepare a copy exactly like the original."""
-
-    config: Any  # the resolved AmpConfig
-    compiler: Any
-    mode: Optional[str]
-    options: Optional[dict]
-    dynamic: Optional[bool]
-    fullgraph: bool
 
 
 class _Reducer:
     """The instance's `__reduce_ex__` (a class, not a closure, so that it pickles)."""
 
-    def __init__(self, module: torch.nn.Module, settings: CompileSettings, marker: str):
-        self.module, self.settings, self.marker = module, settings, marker
+    def __init__(self, module: torch.nn.Module, rebuild: Callable[..., torch.nn.Module],
+                 args: tuple, marker: str):
+        self.module, self.rebuild, self.args, self.marker = module, rebuild, args, marker
 
     def __call__(self, protocol: int) -> tuple:
         state = self.module.__getstate__()  # already without the compiled call
         state = {k: v for k, v in state.items() if k not in (_REDUCE, self.marker)}
-        return _rebuild, (type(self.module), self.settings), state
+        return self.rebuild, (type(self.module), *self.args), state
 
 
-def _rebuild(cls: type, settings: CompileSettings) -> torch.nn.Module:
-    from fxamp.backend import FxampBackend, compile_module  # backend imports this module
-
-    module = cls.__new__(cls)
-    backend = FxampBackend(settings.config, compiler=settings.compiler, mode=settings.mode,
-                           options=settings.options)
-    compile_module(module, backend, dynamic=settings.dynamic, fullgraph=settings.fullgraph)
-    return module  # nn.Module.__setstate__ then adds the original's state
-
-
-def make_copyable(module: torch.nn.Module, settings: CompileSettings, marker: str) -> None:
-    """Give `module` the `__reduce_ex__` of Note [Copies keep the compiled call]."""
-    module.__dict__[_REDUCE] = _Reducer(module, settings, marker)
+def make_copyable(module: torch.nn.Module, rebuild: Callable[..., torch.nn.Module],
+                  args: tuple, marker: str) -> None:
+    """Give `module` the `__reduce_ex__` of Note [Copies keep the compiled call]: a copy is
+    `rebuild(type(module), *args)` (a module-level function, so that it pickles by name) with
+    the original's state, without the attribute `marker`."""
+    module.__dict__[_REDUCE] = _Reducer(module, rebuild, args, marker)
 
 
 def forget_copyable(module: torch.nn.Module) -> None:

@@ -3,28 +3,24 @@
 from __future__ import annotations
 
 import collections
-import copy
 import dataclasses
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
-from fxamp._compat import (BackendCompilerFailed, aot_autograd, dynamo_counters,
-                           make_boxed_func, pytree)
-from fxamp.arguments import entry_config
-from fxamp.backend import CompiledGraph, FxampBackend, _check_model, compile_module
-from fxamp.cast_model import cast_model
+from fxamp._compat import aot_autograd, dynamo_counters, make_boxed_func, pytree
+from fxamp.backend import CompiledGraph
 from fxamp.config import AmpConfig
 from fxamp.eager_regions import eager_policy, untraced_modules
-from fxamp.errors import ConfigError, FxampError
 from fxamp.debug.ranges import range_stats
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.float8 import FLOAT8_META, GemmChoice, is_float8_gemm
 from fxamp.passes.hops import policy_bodies
 from fxamp.passes.printing import format_graph
 from fxamp.provenance import module_of
-from fxamp.rules import check_module_overrides, is_compute_op
+from fxamp.prepare import CompileSettings, prepare, requested_config
+from fxamp.rules import is_compute_op
 
 __all__ = ["explain", "Explanation", "OpRow"]
 
@@ -171,7 +167,8 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: Optional[str
             ranges: bool = False, **overrides: Any) -> Explanation:
     """Run `model_or_fn(*example_inputs)` under fxamp (eagerly, no Inductor) and report.
 
-    A module is deep-copied first, so the caller's model is never cast or compiled.
+    A module is deep-copied first, so the caller's model is never cast or compiled; one that
+    `fxamp.compile` prepared is explained with its own config (then pass none).
 
     Args:
         model_or_fn: an nn.Module or a function of tensors.
@@ -186,47 +183,33 @@ def explain(model_or_fn: Callable, *example_inputs: Any, opt_level: Optional[str
     Returns:
         An Explanation: print it, or read `.rows`, `.casts_inserted`, `.graph_breaks`.
     """
-    config = entry_config(config, opt_level, overrides, "fxamp.explain")
-    target = model_or_fn
-    if isinstance(target, torch.nn.Module):
-        device = _check_model(target)
-        check_module_overrides(target, config)
-        target = copy.deepcopy(target)
-        config = config.resolve(config.device_type or device.type)
-        cast_model(target, config)
     recorder = _Recorder()
     inner = aot_autograd(fw_compiler=recorder.forward, bw_compiler=recorder.record_backward)
-    fxamp_backend = FxampBackend(config, compiler=inner)
-    if isinstance(target, torch.nn.Module):
-        compile_module(target, fxamp_backend)
-    else:
-        target = torch.compile(target, backend=fxamp_backend)
+    prepared = prepare(model_or_fn, requested_config(config, opt_level, overrides,
+                                                     "fxamp.explain"),
+                       settings=CompileSettings(compiler=inner), in_place=False)
     # Note [Counting graph breaks without a reset]: torch._dynamo.explain resets Dynamo, which
     # throws away every compiled graph in the process (a training loop would recompile after
     # each explain()). Dynamo also counts every break it takes, by reason, in a process-wide
     # counter; the difference across this one run is this run's breaks. The copy and the
     # fresh backend compile afresh, so nothing is served from a cache.
     breaks_before = collections.Counter(dynamo_counters["graph_break"])
-    try:
-        outputs = target(*example_inputs)
-    except BackendCompilerFailed as e:
-        if isinstance(e.inner_exception, (FxampError, ConfigError)):
-            raise e.inner_exception from None  # the pass's own message, not Dynamo's wrapper
-        raise
+    outputs = prepared(*example_inputs)
     if backward:
         floats = [o for o in pytree.tree_leaves(outputs)
                   if isinstance(o, torch.Tensor) and o.is_floating_point() and o.requires_grad]
         sum(o.float().sum() for o in floats).backward()
     breaks = collections.Counter(dynamo_counters["graph_break"]) - breaks_before
     reasons = [reason for reason, n in breaks.items() for _ in range(n)]
-    graphs = fxamp_backend.compiled_graphs
+    graphs = prepared.graphs
     rows = [row for i, g in enumerate(graphs)
             for gm in (g.graph_module, *policy_bodies(g.graph_module)) for row in _rows(i, gm)]
     table = None
     if ranges:
-        table = range_stats(model_or_fn, [example_inputs], backward=backward, config=config)
+        table = range_stats(model_or_fn, [example_inputs], backward=backward, config=config,
+                            opt_level=opt_level, **overrides)
     eager = untraced_modules(model_or_fn) if isinstance(model_or_fn, torch.nn.Module) else []
     gemms = [g for cg in graphs for gm in (cg.graph_module, *policy_bodies(cg.graph_module))
              for g in _gemms(gm)]
-    return Explanation(graphs[0].config if graphs else config, graphs, recorder.backward, rows,
+    return Explanation(prepared.config, graphs, recorder.backward, rows,
                        len(reasons), reasons, table, eager, gemms)

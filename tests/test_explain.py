@@ -99,3 +99,21 @@ def test_the_users_own_casts_are_not_boundary_casts(level, boundary):
     assert report.boundary_casts == boundary
     text = str(report)
     assert "= to.dtype(linear, f64)\n" in text and "= to.dtype(sum_1, f32)\n" in text
+
+
+def test_explain_takes_a_model_fxamp_compile_prepared():
+    # explain, locate_overflow and range_stats share one preparation: a model fxamp.compile
+    # prepared is explained with its own config (on main before, explain refused it as
+    # "already prepared" while locate_overflow accepted it).
+    model, inputs = models.cnn()
+    fresh = fxamp.explain(model, *inputs, opt_level="O2")
+    fxamp.compile(model, opt_level="O2", compiler="aot_eager")
+    weight = model.conv.weight.detach().clone()
+    report = fxamp.explain(model, *inputs)
+    assert report.config == fxamp.config_of(model) and report.config.opt_level == "O2"
+    assert [(r.op, r.policy, r.inputs, r.output) for r in report.rows] == \
+        [(r.op, r.policy, r.inputs, r.output) for r in fresh.rows]
+    assert len(fxamp.backend_of(model).compiled_graphs) == 0  # the model itself never ran
+    assert torch.equal(model.conv.weight, weight)
+    with pytest.raises(fxamp.ConfigError, match="prepared by fxamp.compile with O2"):
+        fxamp.explain(model, *inputs, opt_level="O1")

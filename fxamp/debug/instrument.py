@@ -15,7 +15,6 @@ forward values (same names as the forward nodes) or `tangents_i`, the gradients 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
@@ -24,19 +23,16 @@ import torch.fx as fx
 
 from fxamp import _compat
 from fxamp._compat import make_boxed_func, pytree
-from fxamp.arguments import entry_config
-from fxamp.backend import _BACKEND_ATTR, FxampBackend, _check_model, config_of
-from fxamp.cast_model import boundary_forward, cast_model
 from fxamp.config import AmpConfig
-from fxamp.errors import ConfigError, FxampError
+from fxamp.errors import ConfigError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.insert_casts import is_fxamp_cast
+from fxamp.prepare import CompileSettings, Prepared, prepare, requested_config
 from fxamp.provenance import module_of, source_line
-from fxamp.rules import check_module_overrides
 
 __all__ = ["GraphRecord", "Origin", "InstrumentingCompiler", "origin_of", "tensors_of",
            "display_name", "describe_config",
-           "prepare", "call_model", "default_loss", "backward"]
+           "prepare_private", "call_model", "default_loss", "backward"]
 
 FORWARD, BACKWARD = "forward", "backward"
 
@@ -185,44 +181,12 @@ class InstrumentingCompiler:
 
 
 # --------------------------------------------------------------------- running a model under it
-def _private_copy(model: torch.nn.Module) -> torch.nn.Module:
-    # A model fxamp.compile prepared holds its compiled call and backend; the copy gets neither
-    # (deepcopy's memo maps them to None), only the cast parameters and buffers.
-    memo: dict[int, Any] = {}
-    for attr in (_compat.COMPILED_CALL_ATTR, _BACKEND_ATTR):
-        if model.__dict__.get(attr) is not None:
-            memo[id(model.__dict__[attr])] = None
-    return copy.deepcopy(model, memo)
-
-
-def prepare(model_or_fn: Callable, inner: Callable, *, config: Optional[AmpConfig],
-            opt_level: Optional[str], overrides: dict[str, Any]) -> tuple[Callable, FxampBackend]:
-    """`model_or_fn` compiled with fxamp and `inner`, on a private copy of a module.
-
-    A module `fxamp.compile` already prepared keeps its own config (its weights are cast for
-    it); any other module is copied and cast like `fxamp.compile` would.
-    """
-    if not isinstance(model_or_fn, torch.nn.Module):
-        config = entry_config(config, opt_level, overrides, "fxamp.debug")
-        fxamp_backend = FxampBackend(config, compiler=inner)
-        return torch.compile(model_or_fn, backend=fxamp_backend), fxamp_backend
-    existing = config_of(model_or_fn)
-    if existing is not None:
-        if config is not None or opt_level is not None or overrides:
-            raise ConfigError(f"the model was prepared by fxamp.compile with "
-                              f"{existing.opt_level}, whose config its weights are cast for; "
-                              "pass no config, opt_level or overrides, or pass the uncompiled "
-                              "model to try another config")
-        model, config = _private_copy(model_or_fn), existing
-    else:
-        device = _check_model(model_or_fn)
-        config = entry_config(config, opt_level, overrides, "fxamp.debug")
-        check_module_overrides(model_or_fn, config)
-        config = config.resolve(config.device_type or device.type)
-        model = copy.deepcopy(model_or_fn)
-        cast_model(model, config)
-    fxamp_backend = FxampBackend(config, compiler=inner)
-    return torch.compile(boundary_forward(model, config), backend=fxamp_backend), fxamp_backend
+def prepare_private(model_or_fn: Callable, inner: Callable, *, config: Optional[AmpConfig],
+                    opt_level: Optional[str], overrides: dict[str, Any]) -> Prepared:
+    """`model_or_fn` prepared with the inner compiler `inner` on a private copy of a module
+    (a module `fxamp.compile` prepared keeps its config), as `fxamp.prepare` does it."""
+    return prepare(model_or_fn, requested_config(config, opt_level, overrides, "fxamp.debug"),
+                   settings=CompileSettings(compiler=inner), in_place=False)
 
 
 def call_model(fn: Callable, batch: Any, with_target: bool) -> tuple[Any, Any]:
@@ -236,12 +200,7 @@ def call_model(fn: Callable, batch: Any, with_target: bool) -> tuple[Any, Any]:
                           "the sum of the outputs")
     inputs, target = batch if with_target else (batch, None)
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    try:
-        return fn(*args), target
-    except _compat.BackendCompilerFailed as e:
-        if isinstance(e.inner_exception, (FxampError, ConfigError)):
-            raise e.inner_exception from None  # the pass's own message, not Dynamo's wrapper
-        raise
+    return fn(*args), target
 
 
 def default_loss(outputs: Any) -> Optional[torch.Tensor]:

@@ -21,7 +21,7 @@ from fxamp._compat import TorchDispatchMode, pytree
 from fxamp.config import AmpConfig
 from fxamp.debug.instrument import (BACKWARD, FORWARD, GraphRecord, InstrumentingCompiler,
                                     Origin, backward, call_model, default_loss, display_name,
-                                    origin_of, prepare, tensors_of)
+                                    origin_of, prepare_private, tensors_of)
 from fxamp.debug.report import (LOSS, Culprit, OverflowReport, OverflowSite, TensorSummary,
                                 loss_site, make_site)
 
@@ -134,11 +134,10 @@ def locate_overflow(model_or_fn: Callable, batch: Any,
         The backward runs only when the forward and the loss are finite.
     """
     locator = OverflowLocator()
-    fn, fxamp_backend = prepare(model_or_fn, locator, config=config, opt_level=opt_level,
-                                overrides=overrides)
-    outputs, target = call_model(fn, batch, loss_fn is not None)
-    graphs = fxamp_backend.compiled_graphs
-    config = graphs[0].config if graphs else fxamp_backend.config
+    prepared = prepare_private(model_or_fn, locator, config=config, opt_level=opt_level,
+                               overrides=overrides)
+    outputs, target = call_model(prepared, batch, loss_fn is not None)
+    config = prepared.config
     watch = _WatchLoss()
     with watch:
         loss = loss_fn(outputs, target) if loss_fn is not None else default_loss(outputs)

@@ -24,7 +24,7 @@ from fxamp.config import AmpConfig
 from fxamp.debug import instrument
 from fxamp.debug.instrument import (BACKWARD, GraphRecord, InstrumentingCompiler, Origin,
                                     call_model, default_loss, describe_config, origin_of,
-                                    prepare, tensors_of)
+                                    prepare_private, tensors_of)
 from fxamp.passes.annotate import short_dtype
 
 __all__ = ["range_stats", "RangeRecorder", "RangeTable", "RangeRow", "FP16_MAX",
@@ -225,15 +225,13 @@ def range_stats(model_or_fn: Callable, batches: Union[Iterable[Any], torch.Tenso
         A RangeTable: print it, `.to_csv()`, `.as_dicts()`, `.at_risk()`, `.select(...)`.
     """
     recorder = RangeRecorder()
-    fn, fxamp_backend = prepare(model_or_fn, recorder, config=config, opt_level=opt_level,
-                                overrides=overrides)
+    prepared = prepare_private(model_or_fn, recorder, config=config, opt_level=opt_level,
+                               overrides=overrides)
     count = 0
     for batch in [batches] if isinstance(batches, torch.Tensor) else batches:
-        outputs, target = call_model(fn, batch, loss_fn is not None)
+        outputs, target = call_model(prepared, batch, loss_fn is not None)
         loss = loss_fn(outputs, target) if loss_fn is not None else default_loss(outputs)
         if backward:
             instrument.backward(loss, loss_scale)
         count += 1
-    graphs = fxamp_backend.compiled_graphs
-    config = graphs[0].config if graphs else fxamp_backend.config
-    return recorder.table(config, loss_scale=loss_scale, batches=count)
+    return recorder.table(prepared.config, loss_scale=loss_scale, batches=count)

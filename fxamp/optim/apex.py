@@ -11,16 +11,15 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 
 from fxamp.arguments import check_compiler, check_model_list
-from fxamp.backend import _check_model
-from fxamp.backend import compile as _compile
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.optim import optimizers
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.fp16_optimizer import _check_inner as check_wrappable
 from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.master_grads import master_params_of
 from fxamp.optim.optimizer import FusedOptimizer
-from fxamp.rules import check_module_overrides
+from fxamp.prepare import CompileSettings, check_model, prepare
 
 __all__ = ["initialize", "scale_loss", "master_params", "amp_state_dict", "load_amp_state_dict"]
 
@@ -70,7 +69,7 @@ def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool =
     _check_models(model_list, config)
     _check_optimizers(opt_list)
     # Everything is checked: from here on models and optimizers change.
-    compiled = [_compile(m, config=config, compiler=compiler) for m in model_list]
+    compiled = [prepare(m, config, settings=CompileSettings(compiler)).fn for m in model_list]
     inductor = compiler == "inductor"
     scalers = [LossScaler.from_config(config, compile=inductor) for _ in range(num_losses)]
     converted = [_convert(o, config, scalers, inductor) for o in opt_list]
@@ -99,8 +98,7 @@ def _check_models(models: list, config: AmpConfig) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConfigError("it is already wrapped in DistributedDataParallel; call "
                               "initialize first and wrap the returned model afterwards")
-        _check_model(model)
-        check_module_overrides(model, config)
+        check_model(model, config)
 
     check_model_list(models, check_one)
 
@@ -224,22 +222,21 @@ def _unscale(opt: Any, scaler: LossScaler) -> None:
 
 
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
-    """Apex's `amp.master_params`: the fp32 tensors the optimizer steps, with unscaled `.grad`.
+    """Apex's `amp.master_params`: the tensors the optimizer steps, with unscaled `.grad`.
 
-    For an fxamp optimizer this folds the pending gradients into fp32 (the slower path: prefer
-    `max_grad_norm=` for clipping) and yields per-parameter views of the masters (aliases of the
-    parameters when they are fp32) whose `.grad` are views of the unscaled gradients; edits
-    through them, such as `clip_grad_norm_`, reach the step. Call it each step, after backward.
+    For an fxamp optimizer: per-parameter views of the fp32 masters, or of the parameters
+    themselves where they have none (fp32 ones, and 16-bit ones at O3), in the param groups'
+    order (a parameter the optimizer does not step is yielded itself), whose `.grad` are the
+    unscaled gradients in the same dtype. Edits through them, such as `clip_grad_norm_`, reach
+    the step while the model's gradients stay as they are; if those change (another backward,
+    `model.zero_grad()`), the step computes the master gradients again from them (Note
+    [Gathered master gradients]). Call it after the last backward of a step; `max_grad_norm=`
+    is the faster way to clip.
     """
     if isinstance(optimizer, FP16_Optimizer):
         yield from optimizer.master_params()
     elif isinstance(optimizer, FusedOptimizer):
-        optimizer.unscale_()
-        for bucket in optimizer.buckets:
-            for view, grad in zip(bucket.views(bucket.weights), bucket.views(bucket.acc)):
-                alias = view.detach()
-                alias.grad = grad
-                yield alias
+        yield from master_params_of(optimizer)
     else:
         for group in optimizer.param_groups:
             yield from group["params"]

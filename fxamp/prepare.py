@@ -1,0 +1,243 @@
+"""Preparing a model for fxamp: the one place that checks, casts, compiles and attaches.
+
+Every entry point goes through `prepare`: `fxamp.compile` and `fxamp.initialize` prepare the
+user's model in place; `explain`, `locate_overflow`, `range_stats` and the CLI prepare a private
+copy (or a function). `prepare` checks everything first (the model, the config against it, the
+compiler settings) and only then changes anything (Note [Un-preparing a refused model] in
+compiled_call.py covers refusals that only the first call can make). `backend_of` and
+`config_of` are the one way to ask whether a model is prepared, and with what config.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Callable, Optional
+
+import torch
+
+from fxamp import _compat
+from fxamp.arguments import check_compile_flags, entry_config
+from fxamp.backend import Compiler, CompiledGraph, FxampBackend
+from fxamp.cast_model import CastRecord, boundary_forward, cast_model
+from fxamp.compiled_call import CompiledCall, fxamp_error
+from fxamp.config import AmpConfig
+from fxamp.copies import forget_copyable, make_copyable
+from fxamp.eager_regions import warn_untraced, with_policy_autocast
+from fxamp.errors import ConfigError
+from fxamp.float8.config import check_float8_support
+from fxamp.float8.delayed import attach_history, detach_history
+from fxamp.rules import check_module_overrides
+
+__all__ = ["prepare", "Prepared", "CompileSettings", "requested_config", "check_model",
+           "backend_of", "config_of", "compile_module"]
+
+_BACKEND_ATTR = "_fxamp_backend"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileSettings:
+    """How a prepared model is compiled (kept so that its copies are prepared alike)."""
+
+    compiler: Compiler = "inductor"
+    mode: Optional[str] = None
+    options: Optional[dict] = None
+    dynamic: Optional[bool] = None
+    fullgraph: bool = False
+
+    def backend(self, config: AmpConfig) -> FxampBackend:
+        return FxampBackend(config, compiler=self.compiler, mode=self.mode, options=self.options)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What `prepare` made: `fn` runs it (the prepared module itself, or a compiled function);
+    `backend` records every graph fxamp transformed for it."""
+
+    fn: Callable[..., Any]
+    backend: FxampBackend
+
+    @property
+    def graphs(self) -> list[CompiledGraph]:
+        return self.backend.compiled_graphs
+
+    @property
+    def config(self) -> AmpConfig:
+        """The config the graphs were transformed with (resolved once a graph compiled)."""
+        return self.graphs[0].config if self.graphs else self.backend.config
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`fn(*args, **kwargs)`; fxamp's own refusals come out as themselves, not wrapped in
+        Dynamo's BackendCompilerFailed."""
+        try:
+            return self.fn(*args, **kwargs)
+        except _compat.BackendCompilerFailed as e:
+            own = fxamp_error(e)
+            if own is None:
+                raise
+            raise own from None
+
+
+def backend_of(model: torch.nn.Module) -> Optional[FxampBackend]:
+    """The FxampBackend `fxamp.compile` attached to `model` (its `compiled_graphs` show every
+    graph it transformed), or None."""
+    return getattr(model, _BACKEND_ATTR, None)
+
+
+def config_of(model: torch.nn.Module) -> Optional[AmpConfig]:
+    """The resolved AmpConfig `fxamp.compile` applied to `model`, or None."""
+    backend = backend_of(model)
+    return None if backend is None else backend.config
+
+
+def requested_config(config: Any, opt_level: Optional[str], overrides: dict[str, Any],
+                     where: str) -> Optional[AmpConfig]:
+    """The config an entry point was asked for, or None when it was asked for none."""
+    if config is None and opt_level is None and not overrides:
+        return None
+    return entry_config(config, opt_level, overrides, where)
+
+
+def check_model(model: Any, config: AmpConfig) -> AmpConfig:
+    """Refuse a model `fxamp.compile` cannot prepare with `config`; returns the config
+    resolved for the model's device. Changes nothing."""
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"fxamp.compile takes an nn.Module, not {type(model).__name__}")
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ConfigError("model is already wrapped in DistributedDataParallel: call "
+                          "fxamp.compile first and wrap the result in DDP afterwards")
+    if backend_of(model) is not None:
+        raise ConfigError("model was already prepared by fxamp.compile "
+                          f"({config_of(model).opt_level}); compile it once")
+    floating = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    if not floating:
+        raise ConfigError(f"{type(model).__name__} has no floating-point parameters or buffers:"
+                          " fxamp only changes floating-point computation")
+    check_module_overrides(model, config)
+    resolved = config.resolve(config.device_type or floating[0].device.type)
+    check_float8_support(resolved.float8, resolved.device_type, resolved.dtype)
+    return resolved
+
+
+def prepare(model_or_fn: Callable[..., Any], config: Optional[AmpConfig], *,
+            settings: CompileSettings = CompileSettings(),
+            in_place: bool = True) -> Prepared:
+    """Prepare `model_or_fn` for fxamp: check everything, then cast and compile.
+
+    A module is prepared in place (`fxamp.compile`) or, with `in_place=False`, as a private
+    copy that leaves the caller's model alone (explain and the debug tools). A private copy of
+    a module `fxamp.compile` already prepared keeps that module's config (its weights are cast
+    for it); asking for another config then is refused. `config=None` means O1, or that config.
+    A function is compiled with fxamp's backend (nothing to cast).
+
+    Raises:
+        ConfigError: for a bad model, config or setting; nothing was changed.
+    """
+    backend = settings.backend(config or AmpConfig.from_opt_level("O1"))  # checks settings
+    check_compile_flags(dynamic=settings.dynamic, fullgraph=settings.fullgraph)
+    if not isinstance(model_or_fn, torch.nn.Module) and not in_place:
+        compiled = torch.compile(model_or_fn, backend=backend, dynamic=settings.dynamic,
+                                 fullgraph=settings.fullgraph)
+        return Prepared(compiled, backend)
+    existing = None if in_place else config_of(model_or_fn)
+    if existing is None:
+        resolved = check_model(model_or_fn, backend.config)
+        model = model_or_fn if in_place else copy.deepcopy(model_or_fn)
+        record = cast_model(model, resolved)  # everything is checked: from here on it changes
+    else:
+        _check_no_request(config, existing)
+        resolved, record = existing, None
+        model = copy.deepcopy(model_or_fn)  # a prepared copy (Note [Copies keep the ...])
+    backend = settings.backend(resolved)
+    compile_module(model, backend, settings, record=record if in_place else None)
+    if in_place:
+        warn_untraced(model, resolved)
+    return Prepared(model, backend)
+
+
+def _check_no_request(config: Optional[AmpConfig], existing: AmpConfig) -> None:
+    if config is not None:
+        raise ConfigError(f"the model was prepared by fxamp.compile with "
+                          f"{existing.opt_level}, whose config its weights are cast for; "
+                          "pass no config, opt_level or overrides, or pass the uncompiled "
+                          "model to try another config")
+
+
+def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
+                   settings: CompileSettings, *, record: Optional[CastRecord] = None) -> None:
+    """Make every `model(...)` call run the fxamp-compiled graph, boundary casts included.
+
+    fxamp fills the slot `nn.Module.compile` itself fills (`_compat.set_compiled_call`) with
+    the model's call wrapped in its boundary casts (Note [Model-boundary casts]), at O1 under
+    torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
+    With the `record` of the cast, a refusal at the first call restores the model.
+    """
+    # A copy being rebuilt (copies.py) is not initialised yet: it gets the original's history.
+    initialised = "_buffers" in model.__dict__
+    history_hook = attach_history(model, fxamp_backend.config.float8) if initialised else None
+    forward = boundary_forward(model, fxamp_backend.config)
+    compiled = with_policy_autocast(
+        torch.compile(forward, backend=fxamp_backend, dynamic=settings.dynamic,
+                      fullgraph=settings.fullgraph), fxamp_backend.config)
+
+    def unprepare() -> None:
+        record.undo()
+        if history_hook is not None:
+            detach_history(model, history_hook)
+        _compat.set_compiled_call(model, None)
+        delattr(model, _BACKEND_ATTR)
+        forget_copyable(model)
+
+    fxamp_backend.model = model
+    _compat.set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
+                                                  None if record is None else unprepare, record))
+    setattr(model, _BACKEND_ATTR, fxamp_backend)
+    # Note [Copies keep the compiled call]
+    make_copyable(model, _rebuild_copy, (fxamp_backend.config, settings), _BACKEND_ATTR)
+
+
+def _rebuild_copy(cls: type, config: AmpConfig, settings: CompileSettings) -> torch.nn.Module:
+    module = cls.__new__(cls)
+    compile_module(module, settings.backend(config), settings)
+    return module  # nn.Module.__setstate__ then adds the original's state
+
+
+def compile(model: torch.nn.Module, *, opt_level: Optional[str] = None,
+            config: Optional[AmpConfig] = None,
+            enabled: bool = True, compiler: Compiler = "inductor", mode: Optional[str] = None,
+            options: Optional[dict] = None, dynamic: Optional[bool] = None,
+            fullgraph: bool = False, **overrides: Any) -> torch.nn.Module:
+    """Apply an Apex opt level to `model` as compiler passes and compile it with Inductor.
+
+    Like `apex.amp.initialize`, this prepares the model in place and returns it: at O0 the
+    parameters are stored in fp32, at O2/O3 in the low dtype (O2 keeps BatchNorm, and any
+    module overridden to fp32, in fp32), and `model.compile(backend=fxamp.backend(...))`
+    makes every call run the transformed graph, with floating inputs cast to the model dtype
+    and outputs to fp32 (or `cast_model_outputs`) at O0/O2/O3, as Apex did.
+
+    Args:
+        model: a module with floating-point parameters, not yet wrapped in DDP.
+        opt_level: "O0", "O1", "O2" or "O3" (letter O); O1 unless given.
+        config: a ready AmpConfig instead of opt_level + overrides.
+        enabled: False returns `model` untouched.
+        compiler, mode, options: the inner compiler and Inductor's mode / options.
+        dynamic, fullgraph: passed to torch.compile.
+        **overrides: `AmpConfig.from_opt_level` keywords: dtype, keep_batchnorm_fp32,
+            cast_model_type, master_weights, loss_scale, cast_model_outputs, policy,
+            op_overrides, module_overrides, ...
+
+    Returns:
+        The same module object, compiled.
+
+    Raises:
+        ConfigError: for a bad level, override, argument or model; the model is then left
+            unchanged. A refusal at the first call (a banned op, say) restores the model as it
+            was, so that it can be compiled again with the fix.
+    """
+    config = entry_config(config, opt_level, overrides, "fxamp.compile")
+    settings = CompileSettings(compiler, mode, options, dynamic, fullgraph)
+    settings.backend(config)  # checks compiler, mode and options before `enabled` is honoured
+    check_compile_flags(dynamic=dynamic, fullgraph=fullgraph, enabled=enabled)
+    if not enabled:
+        return model
+    return prepare(model, config, settings=settings).fn
