@@ -212,7 +212,7 @@ CASES = [
      ["growth_interval=0", "positive int"]),
     ("scaler_growth_interval_float", scaler_(growth_interval=1.5),
      ["growth_interval=1.5", "positive int"]),
-    ("scaler_growth_factor_one", scaler_(growth_factor=1.0), ["growth_factor=1.0", "> 1"]),
+    ("scaler_growth_factor_below_one", scaler_(growth_factor=0.9), ["growth_factor=0.9", ">= 1"]),
     ("scaler_backoff_above_one", scaler_(backoff_factor=1.5),
      ["backoff_factor=1.5", "(0, 1)"]),
     ("scaler_hysteresis_zero", scaler_(hysteresis=0), ["hysteresis=0", "positive int"]),
