@@ -17,6 +17,7 @@ from fxamp.optim import optimizers
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.fp16_optimizer import _check_inner as check_wrappable
 from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.master_grads import master_params_of
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.prepare import CompileSettings, check_model, prepare
 
@@ -221,22 +222,21 @@ def _unscale(opt: Any, scaler: LossScaler) -> None:
 
 
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
-    """Apex's `amp.master_params`: the fp32 tensors the optimizer steps, with unscaled `.grad`.
+    """Apex's `amp.master_params`: the tensors the optimizer steps, with unscaled `.grad`.
 
-    For an fxamp optimizer this folds the pending gradients into fp32 (the slower path: prefer
-    `max_grad_norm=` for clipping) and yields per-parameter views of the masters (aliases of the
-    parameters when they are fp32) whose `.grad` are views of the unscaled gradients; edits
-    through them, such as `clip_grad_norm_`, reach the step. Call it each step, after backward.
+    For an fxamp optimizer: per-parameter views of the fp32 masters, or of the parameters
+    themselves where they have none (fp32 ones, and 16-bit ones at O3), in the param groups'
+    order (a parameter the optimizer does not step is yielded itself), whose `.grad` are the
+    unscaled gradients in the same dtype. Edits through them, such as `clip_grad_norm_`, reach
+    the step while the model's gradients stay as they are; if those change (another backward,
+    `model.zero_grad()`), the step computes the master gradients again from them (Note
+    [Gathered master gradients]). Call it after the last backward of a step; `max_grad_norm=`
+    is the faster way to clip.
     """
     if isinstance(optimizer, FP16_Optimizer):
         yield from optimizer.master_params()
     elif isinstance(optimizer, FusedOptimizer):
-        optimizer.unscale_()
-        for bucket in optimizer.buckets:
-            for view, grad in zip(bucket.views(bucket.weights), bucket.views(bucket.acc)):
-                alias = view.detach()
-                alias.grad = grad
-                yield alias
+        yield from master_params_of(optimizer)
     else:
         for group in optimizer.param_groups:
             yield from group["params"]

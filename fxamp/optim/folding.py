@@ -46,6 +46,10 @@ class GradientFolding:
               accs: Sequence[torch.Tensor]) -> None:
         inv_scale = fused_step.inverse(scaler.state_tensors(self._device)[0])
         self._fold_fn(raws, accs, inv_scale, scaler.round_found(self._device))
+        self._involve(scaler)
+
+    def _involve(self, scaler: LossScaler) -> None:
+        """The raw gradients, which carried `scaler`'s scale, were taken into fp32."""
         scaler.scaled_graphs.mark_done(self)
         if scaler not in self._involved:
             self._involved.append(scaler)

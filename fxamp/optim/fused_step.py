@@ -45,7 +45,7 @@ from fxamp._compat import compile_fresh
 from fxamp.optim import distributed
 from fxamp.optim.scale_rule import ScaleRule, next_scale_state, scale_is_valid
 
-__all__ = ["prologue", "update", "fold_grads", "inverse", "compiled", "eager"]
+__all__ = ["prologue", "update", "fold_grads", "gather_grads", "inverse", "compiled", "eager"]
 
 Tensor = torch.Tensor
 # Columns the prologue appends to every group's row of scalars.
@@ -134,16 +134,34 @@ def fold_grads(raws: Sequence[Tensor], accs: Sequence[Tensor], inv_scale: Tensor
     found.copy_(flag)
 
 
+def gather_grads(raws: Sequence[Tensor], accs: Sequence[Optional[Tensor]],
+                 outs: Sequence[Tensor], inv_scale: Tensor, found_out: Tensor) -> None:
+    """out = acc + raw * inv_scale in out's dtype, the raw gradients left as they are, and
+    found_out = whether any raw gradient (or the scale) is not finite.
+
+    The master gradients of Note [Gathered master gradients] in master_grads.py.
+    """
+    flag = ~scale_is_valid(inv_scale)
+    for raw, acc, out in zip(raws, accs, outs):
+        flag = flag | ~torch.isfinite(raw).all()
+        grad = raw.float() * inv_scale
+        out.copy_(grad if acc is None else grad + acc)
+    found_out.copy_(flag)
+
+
 def inverse(scale: Tensor) -> Tensor:
     """1 / scale rounded as GradScaler rounds it (through float64)."""
     return scale.double().reciprocal().float()
 
 
+_STEP_FNS = (prologue, update, fold_grads, gather_grads)
+
+
 def compiled() -> dict[str, Callable]:
-    """`prologue`, `update` and `fold_grads` compiled for one optimizer, with Dynamo caches of
-    their own (Note [One compiled step per optimizer])."""
-    return {fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False)
-            for fn in (prologue, update, fold_grads)}
+    """`prologue`, `update`, `fold_grads` and `gather_grads` compiled for one optimizer, with
+    Dynamo caches of their own (Note [One compiled step per optimizer]); each compiles when it
+    is first called."""
+    return {fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False) for fn in _STEP_FNS}
 
 
-eager = {fn.__name__: fn for fn in (prologue, update, fold_grads)}
+eager = {fn.__name__: fn for fn in _STEP_FNS}

@@ -19,6 +19,7 @@ from fxamp.optim.algorithms import LAMB, Algorithm
 from fxamp.optim.flat import FlatBucket, flatten_param_groups
 from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.master_grads import MasterGrads
 
 __all__ = ["FusedOptimizer"]
 
@@ -62,6 +63,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
         self._raw_scaler: Optional[LossScaler] = None  # the scale the raw grads carry
         self._involved: list[LossScaler] = []  # scalers folded into the fp32 grads this step
+        self.master_grads = MasterGrads(self._fns["gather_grads"])  # see master_params
         checkpoint.expose_state(self)
 
     def _init_group(self, process_group: Any) -> None:
@@ -137,7 +139,10 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._sync_hyper()
         for bucket in self._buckets:
             bucket.sync_from_params()
-        if self._involved:
+        gathered = self.master_grads.current(self._buckets, scaler)
+        if gathered is not None:
+            self._step_from_gathered(gathered.scaler or self._unit, gathered.found)
+        elif self._involved:
             self._step_from_folded(pending)
         else:
             self._fused_step([b.grad for b in self._buckets], scaler,
@@ -218,6 +223,29 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     def fold_pending(self) -> None:
         self.unscale_(self._raw_scaler)
 
+    def gather_master_grads(self) -> None:
+        """Compute the unscaled master gradients that `fxamp.optim.master_params` yields, from
+        the raw ones and the scale they carry (Note [Gathered master gradients])."""
+        scaler = self._raw_scaler or self._default_scaler()
+        if scaler is None:
+            scaled_graphs.check_no_pending_scale(self, self._flat_params(), "master_params")
+        for bucket in self._buckets:
+            bucket.sync_from_params()
+        self.master_grads.gather(self._buckets, scaler, self._unit, self._device)
+
+    def _step_from_gathered(self, scaler: LossScaler, found: torch.Tensor) -> None:
+        # The gathered gradients hold the folded ones and the raw ones, unscaled.
+        scaler.round_found(self._device).logical_or_(found)
+        self._involve(scaler)
+        self._fused_step(self.master_grads.buffers, None, check=True,
+                         found_in=self._round_found())
+        for b in self._buckets:
+            b.grad.zero_()  # taken, as a fold takes them
+            if b.acc is not None:
+                b.acc.zero_()
+        self.master_grads.drop()
+        self._end_round()
+
     def _step_from_folded(self, pending: Optional[LossScaler]) -> None:
         if pending is not None:
             self.unscale_(pending)
@@ -236,6 +264,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         `.grad` views must stay in the flat buffer."""
         for bucket in self._buckets:
             bucket.zero_grad()
+        self.master_grads.drop()
         scaled_graphs.release_pending(self)
 
     def _flat_params(self) -> list[torch.Tensor]:
