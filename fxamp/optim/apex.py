@@ -166,7 +166,7 @@ def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossSc
 
 def _has_state(opt: torch.optim.Optimizer) -> bool:
     if isinstance(opt, FusedOptimizer):
-        return bool(opt._step_count.item())
+        return bool(opt._step_count.any())
     return bool(opt.state)
 
 
