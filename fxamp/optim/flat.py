@@ -23,13 +23,13 @@ import torch
 
 from fxamp.errors import ConfigError
 from fxamp.optim.distributed import is_dtensor
+from fxamp.policy import LOW_DTYPES
 
 __all__ = ["FlatBucket", "flatten_param_groups", "flatten_group", "check_group_params",
-           "refresh_master", "LOW_PRECISION", "ALIGN"]
+           "refresh_master", "ALIGN"]
 
 log = logging.getLogger(__name__)
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Each parameter starts on a multiple of ALIGN elements: aligned vector loads for the model's own
 # kernels, and whole chunks of ALIGN for LAMB's per-parameter norms.
@@ -74,7 +74,7 @@ class FlatBucket:
         self.grad_views = self.views(self.grad)
         for p, g in zip(self.params, self.grad_views):
             p.grad = g
-        low = master_weights and ref.dtype in LOW_PRECISION
+        low = master_weights and ref.dtype in LOW_DTYPES
         self.master = self.param.float() if low else None
         self.versions = [p._version for p in self.params]
         self.acc: Optional[torch.Tensor] = None  # fp32 unscaled gradients, see Optimizer.unscale_
