@@ -17,9 +17,9 @@ from fxamp.config import AmpConfig
 from fxamp.eager_regions import without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
+from fxamp.float8.delayed import history_of
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
-from fxamp.rules import check_op_override_keys
 
 __all__ = ["FxampBackend", "backend", "CompiledGraph", "Compiler"]
 
@@ -75,7 +75,6 @@ class FxampBackend:
     def __init__(self, config: AmpConfig, *, compiler: Compiler = "inductor",
                  mode: Optional[str] = None, options: Optional[dict] = None):
         check_compiler(compiler, mode, options)
-        check_op_override_keys(config)
         self.config = config
         self._key = (config.cache_key(), compiler if isinstance(compiler, str) else id(compiler),
                      mode, tuple(sorted((options or {}).items())))
@@ -85,6 +84,14 @@ class FxampBackend:
         # The model fxamp.compile prepared (set by prepare.compile_module): each compile checks that
         # its weights were not cast since (Dynamo recompiles when a parameter's dtype changes).
         self.model: Optional[torch.nn.Module] = None
+
+    def _float8_history(self, config: AmpConfig):
+        if config.float8 is None or config.float8.scaling != "delayed":
+            return None
+        history = history_of(self.model)
+        if history is None:
+            raise ConfigError(_DELAYED_NEEDS_MODEL)
+        return history
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, FxampBackend) and other._key == self._key
@@ -109,11 +116,18 @@ class FxampBackend:
             start = time.perf_counter()
             aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
             traced = time.perf_counter()
-            stats = run_passes(aten_gm, config, fake_mode)
+            stats = run_passes(aten_gm, config, fake_mode,
+                               float8_history=self._float8_history(config))
             self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
                                                       time.perf_counter() - traced))
             log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
             return without_autocast(self._inner(aten_gm, example_inputs), config.device_type)
+
+
+_DELAYED_NEEDS_MODEL = (
+    "float8 scaling='delayed' keeps its amax histories in the model's state_dict, which a "
+    "torch.compile backend does not own: use fxamp.compile(model, float8=Float8Config("
+    "scaling='delayed')), or scaling='dynamic' with the backend")
 
 
 def _check_active_ddp() -> None:
@@ -143,6 +157,8 @@ def backend(opt_level: str = "O1", *, compiler: Compiler = "inductor", mode: Opt
         **overrides: `AmpConfig.from_opt_level` keywords (dtype, keep_batchnorm_fp32,
             op_overrides, module_overrides, policy, cast_model_outputs, ...).
     """
+    if getattr(overrides.get("float8"), "scaling", None) == "delayed":
+        raise ConfigError(_DELAYED_NEEDS_MODEL)
     if overrides.get("cast_model_outputs") is not None:
         raise ConfigError("cast_model_outputs applies at the model boundary, which a backend "
                           "does not see: use fxamp.compile(model, cast_model_outputs=...)")

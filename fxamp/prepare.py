@@ -26,7 +26,8 @@ from fxamp.copies import forget_copyable, make_copyable
 from fxamp.eager_regions import warn_untraced, with_policy_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
-from fxamp.rules import check_module_overrides
+from fxamp.float8.delayed import attach_history, detach_history
+from fxamp.policy.rules import check_module_overrides
 
 __all__ = ["prepare", "Prepared", "CompileSettings", "requested_config", "check_model",
            "backend_of", "config_of", "compile_module"]
@@ -171,6 +172,9 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
     With the `record` of the cast, a refusal at the first call restores the model.
     """
+    # A copy being rebuilt (copies.py) is not initialised yet: it gets the original's history.
+    initialised = "_buffers" in model.__dict__
+    history_hook = attach_history(model, fxamp_backend.config.float8) if initialised else None
     forward = boundary_forward(model, fxamp_backend.config)
     compiled = with_policy_autocast(
         torch.compile(forward, backend=fxamp_backend, dynamic=settings.dynamic,
@@ -178,6 +182,8 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
 
     def unprepare() -> None:
         record.undo()
+        if history_hook is not None:
+            detach_history(model, history_hook)
         _compat.set_compiled_call(model, None)
         delattr(model, _BACKEND_ATTR)
         forget_copyable(model)

@@ -21,33 +21,19 @@ import torch
 
 from fxamp._compat import scaled_mm
 from fxamp.float8.config import RECIPES, Recipe
+from fxamp.float8.scaling import amax_to_scale, cast_to_float8, delayed_scale
 
-__all__ = ["Float8MM", "float8_linear", "float8_matmul", "amax_to_scale", "cast_to_float8",
-           "float8_mm", "EPS"]
-
-EPS = 1e-12  # torchao's floor on amax: an all-zero tensor gets a finite scale
-
-
-def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, pow2: bool) -> torch.Tensor:
-    """finfo(dtype).max / amax in float64 (eager and compiled agree), as float32."""
-    scale = (torch.finfo(dtype).max / amax.to(torch.float64).clamp(min=EPS)).to(torch.float32)
-    return torch.exp2(torch.floor(torch.log2(scale))) if pow2 else scale
-
-
-def cast_to_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x * scale saturated to the float8 range (no inf from a stale or rounded scale)."""
-    fmax = torch.finfo(dtype).max
-    return (x.to(torch.float32) * scale).clamp(min=-fmax, max=fmax).to(dtype)
+__all__ = ["Float8MM", "float8_linear", "float8_matmul", "float8_mm"]
 
 
 def _operand(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, contract_dim: int,
-             amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+             scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     # The scale runs over the contraction dim: per row of a left operand (dim -1), per column
-    # of a right one (dim 0); one per tensor for tensorwise. `amax` given: delayed scaling.
-    if amax is None:
+    # of a right one (dim 0); one per tensor for tensorwise. A given scale: delayed scaling.
+    if scale is None:
         amax = (x.abs().amax(dim=contract_dim, keepdim=True) if recipe.rowwise
                 else torch.max(torch.abs(x)))
-    scale = amax_to_scale(amax, dtype, recipe.pow2_scales)
+        scale = amax_to_scale(amax, dtype, recipe.pow2_scales)
     return cast_to_float8(x, scale, dtype), scale
 
 
@@ -77,39 +63,50 @@ def float8_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
 
 class Float8MM(torch.autograd.Function):
     """a [M, K] @ b [K, N] with all three GEMMs in float8 (Note [Float8 GEMMs are an
-    autograd.Function in the graph]). Saves the high-precision operands, as torchao does."""
+    autograd.Function in the graph]). Saves the high-precision operands, as torchao does.
+    With amax histories (delayed scaling, tensorwise) a and b are scaled from them, in the
+    backward GEMMs too (Note [Delayed scaling lives in the model])."""
 
     @staticmethod
-    def forward(ctx, a: torch.Tensor, b: torch.Tensor, recipe: str) -> torch.Tensor:
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, recipe: str,
+                history_a: Optional[torch.Tensor] = None,
+                history_b: Optional[torch.Tensor] = None) -> torch.Tensor:
         r = RECIPES[recipe]
-        ctx.save_for_backward(a, b)
+        scale_a = scale_b = None
+        if history_a is not None:
+            scale_a = delayed_scale(a, history_a, r.input)
+            scale_b = delayed_scale(b, history_b, r.weight)
+        a8, sa = _operand(a, r.input, r, -1, scale_a)
+        b8, sb = _operand(b, r.weight, r, 0, scale_b)
+        ctx.save_for_backward(a, b, *((sa, sb) if history_a is not None else ()))
         ctx.recipe = r
-        a8, sa = _operand(a, r.input, r, -1)
-        b8, sb = _operand(b, r.weight, r, 0)
         return float8_mm(a8, sa, b8, sb, a.dtype, r.fast_accum_output)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        a, b = ctx.saved_tensors
+        a, b, *delayed = ctx.saved_tensors
         r = ctx.recipe
+        scale_a, scale_b = delayed or (None, None)
         g8, sg = _operand(grad, r.grad_output, r, -1)
-        bt8, sbt = _operand(b.t(), r.weight, r, 0)
+        bt8, sbt = _operand(b.t(), r.weight, r, 0, scale_b)
         grad_a = float8_mm(g8, sg, bt8, sbt, grad.dtype, False)
         gt8, sgt = _operand(grad.t(), r.grad_output, r, -1)
-        a8, sa = _operand(a, r.input, r, 0)
+        a8, sa = _operand(a, r.input, r, 0, scale_a)
         grad_b = float8_mm(gt8, sgt, a8, sa, grad.dtype, False).t()
-        return grad_a, grad_b, None
+        return grad_a, grad_b, None, None, None
 
 
-def float8_matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor],
-                  recipe: str) -> torch.Tensor:
+def float8_matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
+                  history_a: Optional[torch.Tensor] = None,
+                  history_b: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`a @ b (+ bias)` for a [..., K] and a 2-D b [K, N], in float8 (mm, matmul, addmm)."""
-    out = Float8MM.apply(a.reshape(-1, a.shape[-1]), b, recipe)
+    out = Float8MM.apply(a.reshape(-1, a.shape[-1]), b, recipe, history_a, history_b)
     out = out.reshape(*a.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias.to(out.dtype)
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  recipe: str) -> torch.Tensor:
+                  recipe: str, history_x: Optional[torch.Tensor] = None,
+                  history_w: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` in float8: torchao's `Float8Linear.forward`."""
-    return float8_matmul(x, weight.t(), bias, recipe)
+    return float8_matmul(x, weight.t(), bias, recipe, history_x, history_w)

@@ -37,7 +37,7 @@ def expose_state(opt: "FusedOptimizer") -> None:
         if held.correction is not None:
             per_key.append(("master_correction", bucket.views(held.correction)))
         for i, p in enumerate(bucket.params):
-            entry: dict[str, Any] = {"step": opt._step_count}
+            entry: dict[str, Any] = {"step": opt._step_count[bucket.group_index]}
             entry.update((k, views[i]) for k, views in per_key)
             opt.state[p] = entry
 

@@ -89,7 +89,9 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
         grad_scale = inv_scale * (max_norm / (norm + 1e-6)).clamp_max(1.0)
     new_step = step + (~found).to(step.dtype)
     coefs = coefs_fn(hyper, new_step).float()
-    tail = torch.stack([new_step.float(), grad_scale, found.float()]).expand(coefs.shape[0], 3)
+    rows = coefs.shape[0]  # one step count per group (a group added later starts at 0)
+    tail = torch.stack([new_step.float().expand(rows), grad_scale.expand(rows),
+                        found.float().expand(rows)], 1)
     step.copy_(new_step)
     found_out.copy_(found)
     if scaler_state is not None and rule.dynamic:

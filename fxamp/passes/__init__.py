@@ -49,7 +49,8 @@ class _LazyGraph:
         return format_graph(self.gm)
 
 
-def _float8(gm: fx.GraphModule, bodies: list[fx.GraphModule], config: AmpConfig) -> int:
+def _float8(gm: fx.GraphModule, bodies: list[fx.GraphModule], config: AmpConfig,
+            history) -> int:
     # GEMMs inside higher-order op bodies are recorded (explain() names them) but not
     # rewritten: a custom Function's forward runs without autograd, so its backward GEMMs
     # would never reach float8.
@@ -58,18 +59,22 @@ def _float8(gm: fx.GraphModule, bodies: list[fx.GraphModule], config: AmpConfig)
     for body in bodies:
         decide_gemms(body, config, rewritable=False)
     decide_gemms(gm, config)
-    return rewrite_gemms(gm, config)
+    return rewrite_gemms(gm, config, history)
 
 
-def run_passes(gm: fx.GraphModule, config: AmpConfig, fake_mode) -> PassStats:
-    """Run the fxamp passes in place on a pre-dispatch ATen graph with fake `meta['val']`."""
+def run_passes(gm: fx.GraphModule, config: AmpConfig, fake_mode, *,
+               float8_history=None) -> PassStats:
+    """Run the fxamp passes in place on a pre-dispatch ATen graph with fake `meta['val']`.
+
+    `float8_history`: the model's Float8History, for float8 delayed scaling.
+    """
     assert config.is_resolved, "run_passes needs a config resolved for a device"
     annotated = annotate(gm, config, fake_mode)  # forward bodies of higher-order ops too
     graphs = [gm, *policy_bodies(gm)]
     checked = sum(validate(g, config) for g in graphs)
     inserted = sum(insert_casts(g) for g in graphs)
     removed = sum(remove_dead_casts(g) for g in graphs)
-    float8 = _float8(gm, graphs[1:], config)
+    float8 = _float8(gm, graphs[1:], config, float8_history)
     for g in graphs:
         g.graph.lint()
         g.recompile()

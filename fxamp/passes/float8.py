@@ -13,16 +13,19 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import math
+import re
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
+from fxamp._compat import detect_fake_mode
 from fxamp.config import AmpConfig
 from fxamp.float8.config import Float8Config
+from fxamp.float8.delayed import PREFIX, Float8History
 from fxamp.float8.gemm import float8_linear, float8_matmul
 from fxamp.passes.annotate import short_dtype
-from fxamp.rules import module_path
+from fxamp.provenance import module_of
 
 __all__ = ["FLOAT8_META", "GemmChoice", "GEMM_OPS", "decide_gemms", "rewrite_gemms",
            "is_float8_gemm"]
@@ -61,12 +64,8 @@ def _val(node: Any) -> Any:
 
 
 def _module(node: fx.Node) -> tuple[str, str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "<root>", ""
-    dynamo_path, module_type = list(stack.values())[-1]
-    type_name = getattr(module_type, "__name__", str(module_type).rsplit(".", 1)[-1])
-    return module_path(dynamo_path) or "<root>", type_name
+    path, type_name = module_of(node.meta.get("nn_module_stack"))
+    return path or "<root>", type_name
 
 
 def _operands(node: fx.Node) -> tuple[Any, Any, Optional[str]]:
@@ -166,18 +165,46 @@ def _replacement(node: fx.Node) -> tuple[Callable, tuple]:
     return float8_matmul, (node.args[0], node.args[1], None)
 
 
-def rewrite_gemms(gm: fx.GraphModule, config: AmpConfig) -> int:
-    """Replace every GEMM whose GemmChoice says float8; returns how many were rewritten."""
+def _history_args(gm: fx.GraphModule, node: fx.Node, history: Float8History,
+                  base: str) -> tuple[fx.Node, ...]:
+    # Note [Delayed scaling lives in the model]: the graph reads and updates the model's own
+    # buffers, registered on the graph module under the same tensor (AOTAutograd lifts a graph
+    # module's buffers to inputs of the compiled function and copies mutations back).
+    fake_mode = detect_fake_mode([node.meta.get("val")])
+    attrs = []
+    for operand in ("input", "weight"):
+        name = f"{base}_{operand}"
+        tensor = history.get(name)
+        gm.register_buffer(PREFIX + name, tensor)
+        with gm.graph.inserting_before(node):
+            attr = gm.graph.get_attr(PREFIX + name)
+        attr.meta["val"] = fake_mode.from_tensor(tensor) if fake_mode else tensor
+        attrs.append(attr)
+    return tuple(attrs)
+
+
+def rewrite_gemms(gm: fx.GraphModule, config: AmpConfig,
+                  history: Optional[Float8History] = None) -> int:
+    """Replace every GEMM whose GemmChoice says float8; returns how many were rewritten.
+    With delayed scaling, `history` holds the amax histories the new nodes read and update."""
     rewritten = 0
+    graph_id = 0 if history is None else history.graphs_traced
     for node in list(gm.graph.nodes):
         choice = node.meta.get(FLOAT8_META)
         if choice is None or not choice.float8 or is_float8_gemm(node):
             continue
         fn, args = _replacement(node)
+        if history is not None:
+            base = re.sub(r"\W", "_", f"g{graph_id}_{choice.module}_{choice.op}{rewritten}")
+            args = (*args, config.float8.recipe, *_history_args(gm, node, history, base))
+        else:
+            args = (*args, config.float8.recipe)
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(fn, (*args, config.float8.recipe))
+            new = gm.graph.call_function(fn, args)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         gm.graph.erase_node(node)
         rewritten += 1
+    if history is not None:
+        history.graphs_traced += 1
     return rewritten

@@ -222,3 +222,16 @@ def test_compiled_step_equals_the_eager_functions_bit_for_bit(fmt):
         train(model, opt, 3, fo.LossScaler("dynamic", compile=compile))
         runs.append(snapshot(opt))
     assert bit_identical(*runs)
+
+
+def test_added_param_group_gets_the_format_and_a_refusal_is_atomic():
+    model = make_mlp(torch.bfloat16)
+    opt = fo.AdamW(model[0].parameters(), lr=1e-2, state_format="low_memory", compile=False)
+    opt.add_param_group({"params": list(model[2].parameters())})
+    assert opt.state[model[2].weight]["exp_avg"].dtype == torch.int8
+    assert opt.state[model[2].weight]["master_correction"].dtype == torch.int8
+    train(model, opt, 2)
+    kept, groups = snapshot(opt), len(opt.param_groups)
+    with pytest.raises(ConfigError, match="float16"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))]})
+    assert len(opt.param_groups) == groups and bit_identical(kept, snapshot(opt))
