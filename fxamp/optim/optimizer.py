@@ -15,7 +15,7 @@ import torch
 
 from fxamp.errors import ConfigError
 from fxamp.optim import checkpoint, distributed, fused_step, param_checks, scaled_graphs
-from fxamp.optim.algorithms import LAMB, Algorithm
+from fxamp.optim.algorithms import Algorithm
 from fxamp.optim.flat import FlatBucket, flatten_group, flatten_param_groups
 from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
@@ -42,6 +42,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     """
 
     algorithm: Algorithm
+    larc: Optional[Any] = None  # LARCSettings once fxamp.optim.LARC applied them
 
     def __init__(self, params: Any, defaults: dict[str, Any], *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
@@ -69,10 +70,10 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     def _init_group(self, process_group: Any) -> None:
         owner = type(self).__name__
         sharded = [p for b in self._buckets if b.sharded for p in b.params]
-        if sharded and self.algorithm is LAMB:
-            raise ConfigError(f"{owner}: LAMB's per-parameter trust ratio needs whole-parameter "
-                              "norms, which sharded (DTensor) parameters do not have locally; "
-                              "use AdamW, Adam or SGD with FSDP2")
+        if sharded and self.algorithm.per_tensor_norms:
+            raise ConfigError(f"{owner}: {self.algorithm.name}'s per-parameter trust ratio needs "
+                              "whole-parameter norms, which sharded (DTensor) parameters do not "
+                              "have locally; use AdamW, Adam or SGD with FSDP2")
         self._group = distributed.resolve_group(process_group, sharded, owner)
         self._sharded = tuple(b.sharded for b in self._buckets)
         if self._group is not None:
@@ -98,6 +99,12 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         if not self.algorithm.has_state(self.param_groups[bucket.group_index]):
             return ()
         return tuple(bucket.state_like() for _ in self.algorithm.state_keys)
+
+    def set_algorithm(self, algorithm: Algorithm) -> None:
+        """Step with another rule of the same hyperparameters and states (LARC around this
+        one); the compiled step recompiles once."""
+        self.algorithm = algorithm
+        self._aux = [algorithm.aux(b) for b in self._buckets]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """torch.optim's add_param_group, also after construction (unfreezing layers while
