@@ -30,6 +30,13 @@ SEMANTICS = ("apex", "torch", "deepspeed")
 # that overflow unscaled, which loss scaling cannot fix. A lower floor can be asked for (any
 # positive number); none at all cannot.
 DEFAULT_MIN_LOSS_SCALE = 1.0
+
+# Note [Growth stays finite]
+# No dynamic scale grows to a non-finite value, whatever its semantics or cap: a growth that
+# would give inf keeps the scale where it is, as torch's `_amp_update_scale_` and Apex's
+# `amp_C.update_scale_hysteresis` kernels do. DeepSpeed's Python scaler has no cap, so an
+# overflow-free run doubled it to inf (after ~112k steps at the default interval), where every
+# step was skipped. `growth_factor` may be 1.0 (the scale never grows), as those kernels allow.
 _FLOOR_HINT = (f" (the floor of a dynamic scale, {DEFAULT_MIN_LOSS_SCALE} by default; pass a "
                "smaller positive number such as 2**-24 for a lower floor)")
 
@@ -58,7 +65,6 @@ class ScaleRule(NamedTuple):
     max_scale: Optional[float]
     hysteresis: int
     consecutive_hysteresis: bool
-    finite_growth_only: bool
 
 
 def next_scale_state(scale: torch.Tensor, tracker: torch.Tensor, hysteresis: torch.Tensor,
@@ -79,8 +85,7 @@ def next_scale_state(scale: torch.Tensor, tracker: torch.Tensor, hysteresis: tor
     grown = scale * rule.growth_factor
     if rule.max_scale is not None:
         grown = grown.clamp_max(rule.max_scale)
-    if rule.finite_growth_only:
-        grown = torch.where(torch.isfinite(grown), grown, scale)
+    grown = torch.where(torch.isfinite(grown), grown, scale)  # Note [Growth stays finite]
     back_off = found_inf & (hysteresis <= 1)
     new_scale = torch.where(back_off, backed, torch.where(grow, grown, scale))
     new_scale = torch.where(scale_is_valid(scale), new_scale,
@@ -136,15 +141,15 @@ def build_rule(semantics: str, dynamic: bool, consecutive_hysteresis: bool,
             max_scale, "max_loss_scale", " or None (no cap)"),
         hysteresis=validation.positive_int(d["hysteresis"], "hysteresis"),
         consecutive_hysteresis=validation.boolean(consecutive_hysteresis,
-                                                  "consecutive_hysteresis"),
-        finite_growth_only=semantics == "torch")
+                                                  "consecutive_hysteresis"))
     return rule, _initial_scale(d["init_scale"], rule)
 
 
 def _growth_factor(value: Any) -> float:
-    factor = validation.real(value, "growth_factor", "a finite number > 1")
-    if not (factor > 1 and math.isfinite(factor)):
-        raise ConfigError(f"growth_factor={value!r} must be a finite number > 1")
+    factor = validation.real(value, "growth_factor", "a finite number >= 1")
+    if not (factor >= 1 and math.isfinite(factor)):
+        raise ConfigError(f"growth_factor={value!r} must be a finite number >= 1 (1.0: the "
+                          "scale never grows)")
     return factor
 
 

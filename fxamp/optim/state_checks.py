@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import torch
@@ -51,9 +52,10 @@ def _rule_fields(sd: Mapping[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {}
     if "growth_factor" in sd:
         factor = validation.real(_number(sd["growth_factor"]), "state_dict['growth_factor']",
-                                 "a number > 1")
-        if not factor > 1:
-            raise ConfigError(f"state_dict['growth_factor']={factor!r} must be a number > 1")
+                                 "a finite number >= 1")
+        if not (factor >= 1 and math.isfinite(factor)):
+            raise ConfigError(f"state_dict['growth_factor']={factor!r} must be a finite number "
+                              ">= 1")
         fields["growth_factor"] = factor
     if "backoff_factor" in sd:
         fields["backoff_factor"] = validation.fraction(

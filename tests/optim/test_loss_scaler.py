@@ -111,6 +111,49 @@ def test_deepspeed_defaults_need_two_overflows_to_back_off():
     assert [_step(scaler, True) for _ in range(3)] == [2.0**16, 2.0**15, 2.0**14]
 
 
+class HysteresisKernel:
+    """apex csrc/update_scale_hysteresis.cu (amp_C.update_scale_hysteresis), transcribed: the
+    kernel DeepSpeed-style hysteresis runs on; any growth_factor, growth only to a finite fp32."""
+
+    def __init__(self, init, growth_factor, window, hysteresis):
+        self.scale, self.tracker, self.left = init, 0, hysteresis
+        self.factor, self.window, self.hysteresis = growth_factor, window, hysteresis
+
+    def update(self, overflow):
+        if overflow:
+            self.left -= 1
+            if self.left > 0:
+                self.tracker = 0
+                return self.scale
+            self.scale, self.tracker = self.scale * 0.5, 0
+        else:
+            self.tracker += 1
+            if self.tracker == self.window:
+                grown = float(torch.tensor(self.scale * self.factor, dtype=torch.float32))
+                self.scale = grown if grown != float("inf") else self.scale
+                self.tracker = 0
+            self.left = self.hysteresis
+        return self.scale
+
+
+@pytest.mark.parametrize("growth_factor", [1.0, 2.0])
+def test_hysteresis_matches_the_amp_c_kernel_up_to_the_fp32_top(growth_factor):
+    # Issue 12 item 10: growth_factor=1.0 is accepted, and no growth reaches inf.
+    ours = LossScaler(semantics="deepspeed", init_scale=2.0**120, growth_factor=growth_factor,
+                      growth_interval=2, hysteresis=2, consecutive_hysteresis=True,
+                      min_loss_scale=2.0**-24, compile=False)
+    ref = HysteresisKernel(2.0**120, growth_factor, window=2, hysteresis=2)
+    for overflow in [False] * 30 + _overflows(3, p=0.3):
+        assert _step(ours, overflow) == ref.update(overflow)
+
+
+def test_deepspeed_never_grows_to_inf_and_comes_down_after_overflows():
+    scaler = LossScaler(semantics="deepspeed", init_scale=2.0**126, growth_interval=1,
+                        compile=False)
+    assert [_step(scaler, False) for _ in range(3)] == [2.0**127] * 3  # 2**128 is inf in fp32
+    assert [_step(scaler, True) for _ in range(3)] == [2.0**127, 2.0**126, 2.0**125]
+
+
 def test_static_scale_never_moves():
     scaler = LossScaler(128.0, compile=False)
     assert [_step(scaler, o) for o in (True, False, True)] == [128.0] * 3
@@ -161,7 +204,8 @@ def test_loads_apex_state_dict():
     (dict(loss_scale=-1.0), "positive finite"),
     (dict(semantics="apx"), "is not one of apex, torch, deepspeed"),
     (dict(min_loss_scale=8.0, max_loss_scale=4.0), "exceeds max_loss_scale"),
-    (dict(growth_factor=0.5), "growth_factor=0.5 must be a finite number > 1"),
+    (dict(growth_factor=0.5), "growth_factor=0.5 must be a finite number >= 1"),
+    (dict(growth_factor=float("inf")), "growth_factor=inf must be a finite number >= 1"),
 ])
 def test_bad_arguments_are_named(kwargs, message):
     with pytest.raises(ConfigError, match=message):
