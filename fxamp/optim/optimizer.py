@@ -14,10 +14,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import (checkpoint, distributed, fused_step, param_checks, scaled_graphs,
-                         state_buffers)
+from fxamp.optim import (checkpoint, distributed, fused_step, param_checks, param_groups,
+                         scaled_graphs, state_buffers)
 from fxamp.optim.algorithms import Algorithm
-from fxamp.optim.flat import FlatBucket, flatten_group, flatten_param_groups
+from fxamp.optim.flat import FlatBucket, flatten_param_groups
 from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.master_grads import MasterGrads
@@ -67,6 +67,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._buckets = flatten_param_groups(
             self.param_groups, master_weights=self._fp32_masters, owner=owner)
         self._init_group(process_group)
+        self._left_out = param_groups.left_out(self.param_groups, self._buckets)
         device = next(p for g in self.param_groups for p in g["params"]).device
         self._init_device_state(device)
         self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
@@ -91,7 +92,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     def _init_device_state(self, device: torch.device) -> None:
         rows = [self.algorithm.hyper_row(g) for g in self.param_groups]
         self._hyper_seen: list[tuple] = rows
-        self._hyper = _hyper_tensor(rows, device)
+        self._hyper = param_groups.hyper_tensor(rows, device)
         # One step count per param group: a group added later starts at 0, as torch.optim's
         # per-parameter steps (and Apex FusedAdam's per-group one) do.
         self._step_count = torch.zeros(len(rows), dtype=torch.float32, device=device)
@@ -136,27 +137,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         check_state_params(self.state_format, [*self.param_groups, param_group],
                            self.master_weights, owner)
         super().add_param_group(param_group)  # its own checks fail before it appends
-        self._add_buckets(index)
-
-    def _add_buckets(self, gi: int) -> None:
-        new = flatten_group(gi, self.param_groups[gi], master_weights=self._fp32_masters)
-        row = self.algorithm.hyper_row(self.param_groups[gi])
-        self._hyper_seen.append(row)
-        self._hyper = torch.cat([self._hyper, _hyper_tensor([row], self._device)])
-        self._step_count = torch.cat([self._step_count, self._step_count.new_zeros(1)])
-        folding = any(b.acc is not None for b in self._buckets)
-        for bucket in new:
-            if folding:  # gradients are being folded: the new ones take part
-                bucket.acc = torch.zeros(bucket.grad.shape, dtype=torch.float32,
-                                         device=self._device)
-            self._bucket_states.append(self._new_states(bucket))
-            self._aux.append(self.algorithm.aux(bucket))
-        self._buckets.extend(new)
-        self._sharded = tuple(b.sharded for b in self._buckets)
-        self.master_grads.drop()
-        checkpoint.expose_state(self)  # every entry: the step counts are a new tensor
-        log.debug("%s: param group %d added with %d buckets", type(self).__name__, gi,
-                  len(new))
+        param_groups.add_buckets(self, index)
 
     @property
     def buckets(self) -> list[FlatBucket]:
@@ -180,6 +161,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         if callable(scaler) and not isinstance(scaler, LossScaler):
             scaler, closure = None, scaler  # torch.optim's positional closure
         _check_scaler_arg(scaler, "step")
+        param_groups.check_left_out(self)
         pending = scaler or self._raw_scaler  # the scale the raw gradients carry, if known
         scaler = pending or self._default_scaler()
         if scaler is None:
@@ -280,6 +262,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     def gather_master_grads(self) -> None:
         """Compute the unscaled master gradients that `fxamp.optim.master_params` yields, from
         the raw ones and the scale they carry (Note [Gathered master gradients])."""
+        param_groups.check_left_out(self)
         scaler = self._raw_scaler or self._default_scaler()
         if scaler is None:
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "master_params")
@@ -337,11 +320,6 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         """Load fxamp's or torch.optim's state dict (masters come from the parameters when the
         dict has none) into the existing flat buffers."""
         checkpoint.load_state_dict(self, state_dict)
-
-
-def _hyper_tensor(rows: list[tuple], device: torch.device) -> torch.Tensor:
-    return torch.tensor([[float(v) for v in row] for row in rows],
-                        dtype=torch.float64).to(device)
 
 
 def _check_scaler_arg(scaler: Any, call: str) -> None:
