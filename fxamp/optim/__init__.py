@@ -3,15 +3,15 @@
 `Adam`, `AdamW`, `SGD` and `LAMB` step flat buffers with one compiled graph pair (unscale,
 overflow check, clipping, update, skip, master -> model copy, loss-scale update; no host read);
 `LossScaler` holds a static or dynamic scale on the device; `initialize`, `scale_loss`,
-`master_params`, `FP16_Optimizer` and the amp state dict helpers mirror Apex.
+`unscale_`, `master_params`, `FP16_Optimizer` and the amp state dict helpers mirror Apex.
 """
 
-from fxamp.optim.apex import (amp_state_dict, initialize, load_amp_state_dict, master_params,
-                              scale_loss)
+from fxamp.optim.apex import amp_state_dict, initialize, load_amp_state_dict, master_params
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.optim.optimizers import LAMB, SGD, Adam, AdamW
+from fxamp.optim.scale_loss import scale_loss, unscale_
 
 __all__ = [
     "Adam",
@@ -23,6 +23,7 @@ __all__ = [
     "LossScaler",
     "initialize",
     "scale_loss",
+    "unscale_",
     "master_params",
     "amp_state_dict",
     "load_amp_state_dict",
