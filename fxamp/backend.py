@@ -20,7 +20,6 @@ from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import history_of
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
-from fxamp.rules import check_op_override_keys
 
 __all__ = ["FxampBackend", "backend", "CompiledGraph", "Compiler"]
 
@@ -76,7 +75,6 @@ class FxampBackend:
     def __init__(self, config: AmpConfig, *, compiler: Compiler = "inductor",
                  mode: Optional[str] = None, options: Optional[dict] = None):
         check_compiler(compiler, mode, options)
-        check_op_override_keys(config)
         self.config = config
         self._key = (config.cache_key(), compiler if isinstance(compiler, str) else id(compiler),
                      mode, tuple(sorted((options or {}).items())))

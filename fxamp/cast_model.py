@@ -15,9 +15,10 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp import _compat
-from fxamp.config import LOW_DTYPES, AmpConfig
+from fxamp.config import AmpConfig
+from fxamp.policy import LOW_DTYPES
 from fxamp.provenance import boundary_casts
-from fxamp.rules import match_module_override
+from fxamp.policy.rules import match_module_override
 
 __all__ = ["cast_model", "storage_dtype", "boundary_forward", "CastRecord"]
 

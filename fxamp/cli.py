@@ -23,10 +23,10 @@ from typing import Any, Optional, Sequence
 import torch
 
 from fxamp.compiled_call import fxamp_error
-from fxamp.config import OPT_LEVELS, POLICY_PRESETS, AmpConfig
+from fxamp.config import OPT_LEVELS, AmpConfig
 from fxamp.errors import ConfigError, FxampError
 from fxamp.explain import explain
-from fxamp.rules import check_op_override_keys
+from fxamp.policy import PRESETS
 
 __all__ = ["main", "build_parser", "load_target", "TargetError"]
 
@@ -62,7 +62,7 @@ def _add_explain(subparsers: Any) -> None:
                    help="Apex opt level, letter O (default: O1)")
     p.add_argument("--dtype", choices=("bf16", "fp16"),
                    help="low-precision dtype (default: fp16 on CUDA, bf16 elsewhere)")
-    p.add_argument("--policy", choices=POLICY_PRESETS,
+    p.add_argument("--policy", choices=tuple(PRESETS),
                    help="op-table preset (default: the torch preset of the device)")
     p.add_argument("--keep-batchnorm-fp32", metavar="True|False",
                    help="O2/O3: keep BatchNorm in fp32 (refused with O1, as in Apex)")
@@ -117,10 +117,8 @@ def _config(args: argparse.Namespace) -> AmpConfig:
                    keep_batchnorm_fp32=args.keep_batchnorm_fp32,
                    module_overrides=dict(args.module_override),
                    op_overrides=dict(args.op_override))
-    config = AmpConfig.from_opt_level(args.opt_level, **{
+    return AmpConfig.from_opt_level(args.opt_level, **{
         k: v for k, v in options.items() if v not in (None, {})})
-    check_op_override_keys(config)
-    return config
 
 
 def _run_explain(args: argparse.Namespace) -> str:

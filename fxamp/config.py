@@ -17,16 +17,12 @@ import torch
 from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.float8.config import Float8Config, as_float8_config
+from fxamp.policy import LOW_DTYPES, OVERRIDE_CHOICES, PRESETS, NodePolicy
+from fxamp.policy.names import check_override_key, override_key
 
-__all__ = ["AmpConfig", "OPT_LEVELS", "POLICY_PRESETS"]
+__all__ = ["AmpConfig", "OPT_LEVELS"]
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
-POLICY_PRESETS = ("torch-cuda", "torch-cpu", "apex")
-LOW_DTYPES = (torch.float16, torch.bfloat16)
-
-# What a user may ask for one op or one module: run it in the low dtype, in fp32, in the widest
-# input type, or leave it exactly as traced.
-OP_POLICY_CHOICES = ("lower", "fp32", "promote", "keep")
 
 # Apex's table (../shared/reference/AMP_SEMANTICS.md). `None` for cast_model_type means
 # "the low-precision dtype" for O2/O3; O0 casts to fp32; O1 leaves the weights alone.
@@ -131,8 +127,10 @@ class AmpConfig:
             unchanged at O0/O1.
         policy: op-table preset, "torch-cuda", "torch-cpu" or "apex"; None picks the torch
             preset of the device.
+        custom_policy: a `fxamp.policy.NodePolicy` consulted before the preset (from_opt_level
+            takes it as `policy=`), or None.
         op_overrides: (op, policy) pairs; op is an ATen overload or packet name like
-            "aten.softmax" or "aten.softmax.int".
+            "aten.softmax" or "aten.softmax.int" (checked against this torch build).
         module_overrides: (module-path pattern or module class name, policy) pairs.
         min_loss_scale, max_loss_scale, num_losses: loss-scaler settings (Apex names).
         device_type: the compute device ("cpu", "cuda"); only its tensors are cast.
@@ -156,6 +154,7 @@ class AmpConfig:
     num_losses: int = 1
     device_type: Optional[str] = None
     float8: Optional[Float8Config] = None
+    custom_policy: Optional[NodePolicy] = None
 
     def __post_init__(self) -> None:
         check_opt_level(self.opt_level)
@@ -166,21 +165,30 @@ class AmpConfig:
                               "use opt_level='O1' or 'O2' (O0 is the fp32 baseline)")
         if self.dtype is not None:
             _as_dtype(self.dtype, "dtype", LOW_DTYPES)
-        if self.policy is not None and self.policy not in POLICY_PRESETS:
-            raise ConfigError(f"policy={self.policy!r} is not one of {', '.join(POLICY_PRESETS)}")
-        for what, pairs in (("op_overrides", self.op_overrides),
-                            ("module_overrides", self.module_overrides)):
-            for key, choice in pairs:
-                if choice not in OP_POLICY_CHOICES:
-                    raise ConfigError(
-                        f"{what}[{key!r}]={choice!r} is not one of {', '.join(OP_POLICY_CHOICES)}"
-                    )
+        self._check_policies()
         if type(self.num_losses) is not int or self.num_losses < 1:
             raise ConfigError(f"num_losses={self.num_losses!r} must be a positive int (1, 2, ...)")
         if self.loss_scale != "dynamic":
             _as_loss_scale(self.loss_scale)
         _check_scaler_bounds(self.min_loss_scale, self.max_loss_scale)
         self._check_apex_overrides()
+
+    def _check_policies(self) -> None:
+        if self.policy is not None and self.policy not in PRESETS:
+            raise ConfigError(f"policy={self.policy!r} is not one of {', '.join(PRESETS)} "
+                              "or an object with a policy_for(node) method (fxamp.policy."
+                              "NodePolicy)")
+        if self.custom_policy is not None and not isinstance(self.custom_policy, NodePolicy):
+            raise ConfigError(f"custom_policy={self.custom_policy!r} has no policy_for(node) "
+                              "method (fxamp.policy.NodePolicy)")
+        choices = ", ".join(c.value for c in OVERRIDE_CHOICES)
+        for what, pairs in (("op_overrides", self.op_overrides),
+                            ("module_overrides", self.module_overrides)):
+            for key, choice in pairs:
+                if choice not in OVERRIDE_CHOICES:
+                    raise ConfigError(f"{what}[{key!r}]={choice!r} is not one of {choices}")
+        for key, _ in self.op_overrides:
+            check_override_key(key)
 
     def _check_apex_overrides(self) -> None:
         level = self.opt_level
@@ -223,7 +231,7 @@ class AmpConfig:
         master_weights: Optional[bool] = None,
         loss_scale: Any = None,
         cast_model_outputs: Any = None,
-        policy: Optional[str] = None,
+        policy: Union[str, NodePolicy, None] = None,
         op_overrides: Optional[Mapping[Any, str]] = None,
         module_overrides: Optional[Mapping[Any, str]] = None,
         min_loss_scale: Optional[float] = None,
@@ -232,6 +240,9 @@ class AmpConfig:
         float8: Any = None,
     ) -> "AmpConfig":
         """The preset of an Apex opt level with Apex-style overrides (any non-None value wins).
+
+        `policy` is a preset name or a `fxamp.policy.NodePolicy` (stored as `custom_policy`,
+        with the device's preset behind it).
 
         Raises:
             ConfigError: for an unknown level or an override that Apex refuses, with the
@@ -265,7 +276,8 @@ class AmpConfig:
             dtype=low,
             cast_model_outputs=None if cast_model_outputs is None else _as_dtype(
                 cast_model_outputs, "cast_model_outputs", (torch.float32, *LOW_DTYPES)),
-            policy=policy,
+            policy=None if isinstance(policy, NodePolicy) else policy,
+            custom_policy=policy if isinstance(policy, NodePolicy) else None,
             op_overrides=_freeze_overrides(op_overrides),
             module_overrides=_freeze_overrides(module_overrides),
             min_loss_scale=min_loss_scale,
@@ -316,9 +328,6 @@ def _freeze_overrides(overrides: Optional[Mapping[Any, str]]) -> tuple[tuple[str
         return ()
     items = []  # in the caller's order: the first matching entry wins
     for key, choice in overrides.items():
-        if isinstance(key, type):
-            key = key.__name__
-        elif not isinstance(key, str):
-            key = str(key)  # an OpOverload / OpOverloadPacket prints as "aten.softmax.int"
+        key = key.__name__ if isinstance(key, type) else override_key(key)
         items.append((key, choice))
     return tuple(items)

@@ -20,7 +20,7 @@ from fxamp.passes.hops import policy_bodies
 from fxamp.passes.printing import format_graph
 from fxamp.provenance import module_of
 from fxamp.prepare import CompileSettings, prepare, requested_config
-from fxamp.rules import is_compute_op
+from fxamp.policy.rules import is_compute_op
 
 __all__ = ["explain", "Explanation", "OpRow"]
 

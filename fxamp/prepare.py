@@ -27,7 +27,7 @@ from fxamp.eager_regions import warn_untraced, with_policy_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import attach_history, detach_history
-from fxamp.rules import check_module_overrides
+from fxamp.policy.rules import check_module_overrides
 
 __all__ = ["prepare", "Prepared", "CompileSettings", "requested_config", "check_model",
            "backend_of", "config_of", "compile_module"]

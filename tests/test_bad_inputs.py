@@ -273,8 +273,8 @@ CASES = [
      ["unscale_() was called without a scaler", "unscale_(scaler)"], "scaled"),
     ("closure_dynamic", lambda w: w.opt.step(w.scaler, closure=lambda: 0.0),
      ["closure", "run the backward yourself and call step(scaler)"]),
-    ("add_param_group", lambda w: w.opt.add_param_group({"params": [torch.nn.Parameter(
-        torch.ones(2))]}), ["add_param_group afterwards", "build a new optimizer"]),
+    ("add_param_group_bad_lr", lambda w: w.opt.add_param_group({"params": [torch.nn.Parameter(
+        torch.ones(2))], "lr": -1.0}), ["param group 1: lr=-1.0", ">= 0"]),
     ("load_other_model", lambda w: w.opt.load_state_dict(_other_model_state()),
      ["shape (3, 3)", "parameter has shape (8, 4)", "from another model"]),
     ("load_not_optimizer", lambda w: w.opt.load_state_dict({"state": {}}),

@@ -2,12 +2,14 @@
 
 `Adam`, `AdamW`, `SGD` and `LAMB` step flat buffers with one compiled graph pair (unscale,
 overflow check, clipping, update, skip, master -> model copy, loss-scale update; no host read);
+`LARC` puts Apex's trust-ratio learning rates into their step;
 `LossScaler` holds a static or dynamic scale on the device; `initialize`, `scale_loss`,
 `unscale_`, `master_params`, `FP16_Optimizer` and the amp state dict helpers mirror Apex.
 """
 
 from fxamp.optim.apex import amp_state_dict, initialize, load_amp_state_dict, master_params
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
+from fxamp.optim.larc import LARC
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.optim.optimizers import LAMB, SGD, Adam, AdamW
@@ -18,6 +20,7 @@ __all__ = [
     "AdamW",
     "SGD",
     "LAMB",
+    "LARC",
     "FP16_Optimizer",
     "FusedOptimizer",
     "LossScaler",

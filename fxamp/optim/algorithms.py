@@ -16,7 +16,8 @@ import torch
 
 from fxamp.optim.flat import ALIGN, FlatBucket
 
-__all__ = ["Algorithm", "ADAM", "ADAMW", "SGD", "LAMB"]
+__all__ = ["Algorithm", "ADAM", "ADAMW", "SGD", "LAMB", "tensor_norms", "per_element",
+           "chunk_owners"]
 
 Tensor = torch.Tensor
 
@@ -34,6 +35,8 @@ class Algorithm:
         update: (w, g, states, c, *aux) -> (new w, new states); c is one group's row.
         aux: bucket -> extra constant tensors the update needs (LAMB's chunk owners).
         has_state: group -> whether its buckets keep state (SGD without momentum does not).
+        per_tensor_norms: the update needs whole-parameter norms (LAMB, LARC), which sharded
+            parameters do not have locally.
     """
 
     name: str
@@ -43,6 +46,14 @@ class Algorithm:
     update: Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
     aux: Callable[[FlatBucket], tuple[Any, ...]] = lambda bucket: ()
     has_state: Callable[[dict], bool] = lambda group: True
+    per_tensor_norms: bool = False
+
+    def column(self, key: str) -> int:
+        """The hyperparameter tensor's column of `key` ("betas" takes two)."""
+        columns: list[str] = []
+        for name in self.hyper_keys:
+            columns.extend((name, name) if name == "betas" else (name,))
+        return columns.index(key)
 
     def hyper_row(self, group: dict) -> tuple[Any, ...]:
         """The group's hyperparameters in column order: floats, or tensors left as they are
@@ -122,18 +133,26 @@ def lamb_update(w: Tensor, g: Tensor, states, c: Tensor, owner: Tensor, n_params
     m = m * c[1] + c[2] * g
     v = v * c[3] + c[9] * (g * g)
     u = (m * c[4]) / ((v * c[5]).sqrt() + c[6]) + c[7] * w
-    w_sq = w.view(-1, ALIGN).square().sum(1)
-    u_sq = u.view(-1, ALIGN).square().sum(1)
-    zeros = w.new_zeros(n_params)
-    w_norm = zeros.index_add(0, owner, w_sq).sqrt()
-    u_norm = zeros.index_add(0, owner, u_sq).sqrt()
+    w_norm, u_norm = tensor_norms(w, owner, n_params), tensor_norms(u, owner, n_params)
     ratio = torch.where((w_norm != 0) & (u_norm != 0), w_norm / u_norm, 1.0)
-    ratio = torch.where(c[8] != 0, ratio, 1.0)[owner]
-    step = (ratio[:, None] * u.view(-1, ALIGN)).view(-1)
-    return w - c[0] * step, (m, v)
+    ratio = torch.where(c[8] != 0, ratio, 1.0)
+    return w - c[0] * per_element(ratio, owner, u), (m, v)
 
 
-def _lamb_aux(bucket: FlatBucket) -> tuple[Tensor, int]:
+def tensor_norms(x: Tensor, owner: Tensor, n_params: int) -> Tensor:
+    """The L2 norm of each parameter's slice of the flat `x`: sums over ALIGN-element chunks,
+    which never straddle two parameters (see flat.ALIGN), then one index_add over them."""
+    return x.new_zeros(n_params).index_add(0, owner, x.view(-1, ALIGN).square().sum(1)).sqrt()
+
+
+def per_element(per_param: Tensor, owner: Tensor, x: Tensor) -> Tensor:
+    """`x` (flat) with each parameter's slice multiplied by its entry of `per_param`."""
+    return (per_param[owner][:, None] * x.view(-1, ALIGN)).view(-1)
+
+
+def chunk_owners(bucket: FlatBucket) -> tuple[Tensor, int]:
+    """Which parameter each ALIGN-element chunk of the bucket belongs to, and how many there
+    are: the constants `tensor_norms` needs (LAMB's and LARC's aux)."""
     owner = torch.empty(bucket.param.numel() // ALIGN, dtype=torch.long)
     bounds = bucket.offsets[1:] + [bucket.param.numel()]
     for i, (start, end) in enumerate(zip(bucket.offsets, bounds)):
@@ -148,4 +167,5 @@ SGD = Algorithm("SGD", ("lr", "momentum", "dampening", "weight_decay", "nesterov
                 ("momentum_buffer",), _sgd_coefs, sgd_update,
                 has_state=lambda group: group["momentum"] != 0)
 LAMB = Algorithm("LAMB", _ADAM_KEYS + ("grad_averaging", "use_nvlamb", "bias_correction"),
-                 ("exp_avg", "exp_avg_sq"), _lamb_coefs, lamb_update, _lamb_aux)
+                 ("exp_avg", "exp_avg_sq"), _lamb_coefs, lamb_update, chunk_owners,
+                 per_tensor_norms=True)

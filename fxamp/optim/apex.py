@@ -1,6 +1,6 @@
 """Apex amp's entry points for people migrating: initialize, master_params and the amp state
-dict (scale_loss is in scale_loss.py), with no global state: the loss scalers live on the optimizers `initialize`
-returns, shared by all of them (Apex's `_amp_state.loss_scalers`)."""
+dict (scale_loss is in scale_loss.py), with no global state: the loss scalers live on the
+optimizers `initialize` returns, shared by all of them (Apex's `_amp_state.loss_scalers`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from fxamp.arguments import check_compiler, check_model_list
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
-from fxamp.optim import optimizers
+from fxamp.optim.convert import fused_class, to_fused
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.fp16_optimizer import _check_inner as check_wrappable
 from fxamp.optim.loss_scaler import LossScaler
@@ -126,30 +126,19 @@ def _check_optimizer(i: int, opt: Any, seen: dict[int, int]) -> None:
     seen[id(opt)] = i
     if not any(group["params"] for group in opt.param_groups):
         raise ConfigError(f"optimizers[{i}] ({type(opt).__name__}) has no parameters")
-    if _native_class(opt) is None:  # it will be wrapped: refuse now what the wrapper would
+    if fused_class(opt) is None:  # it will be wrapped: refuse now what the wrapper would
         try:
             check_wrappable(opt)
         except ConfigError as e:
             raise ConfigError(f"optimizers[{i}]: {e}") from None
 
 
-_NATIVE = {torch.optim.AdamW: optimizers.AdamW, torch.optim.Adam: optimizers.Adam,
-           torch.optim.SGD: optimizers.SGD}
-_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable")
-_DROPPED_KEYS = ("foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad",
-                 "decoupled_weight_decay", "initial_lr", "param_names")
-
-
 def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossScaler],
              compile: bool):
     master_weights = config.master_weights is not False
-    native = _native_class(opt)
+    native = fused_class(opt)
     if native is not None:
-        groups = [{k: v for k, v in g.items() if k not in _DROPPED_KEYS}
-                  for g in opt.param_groups]
-        new = native(groups, master_weights=master_weights, compile=compile,
-                     **({"max_grad_norm": opt.max_grad_norm}
-                        if isinstance(opt, FusedOptimizer) else {}))
+        new = to_fused(opt, native, master_weights=master_weights, compile=compile)
         if _has_state(opt):
             log.warning("%s already has state; initialize starts the converted optimizer "
                         "afresh (load its state_dict afterwards to keep it)", type(opt).__name__)
@@ -165,19 +154,8 @@ def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossSc
 
 def _has_state(opt: torch.optim.Optimizer) -> bool:
     if isinstance(opt, FusedOptimizer):
-        return bool(opt._step_count.item())
+        return bool(opt._step_count.any())
     return bool(opt.state)
-
-
-def _native_class(opt: torch.optim.Optimizer) -> Optional[type]:
-    if isinstance(opt, FusedOptimizer):
-        return type(opt)
-    cls = _NATIVE.get(type(opt))
-    if cls is None or any(g.get(flag) for g in opt.param_groups for flag in _UNSUPPORTED_FLAGS):
-        return None
-    if cls is optimizers.Adam and opt.param_groups[0].get("decoupled_weight_decay"):
-        return optimizers.AdamW
-    return cls
 
 
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:

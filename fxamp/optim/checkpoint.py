@@ -33,7 +33,7 @@ def expose_state(opt: "FusedOptimizer") -> None:
         per_key = [(k, bucket.views(s)) for k, s in zip(keys, states)]
         masters = None if bucket.master is None else bucket.views(bucket.master)
         for i, p in enumerate(bucket.params):
-            entry: dict[str, Any] = {"step": opt._step_count}
+            entry: dict[str, Any] = {"step": opt._step_count[bucket.group_index]}
             entry.update((k, views[i]) for k, views in per_key)
             if masters is not None:
                 entry["master_param"] = masters[i]

@@ -23,12 +23,13 @@ import torch
 
 from fxamp.errors import ConfigError
 from fxamp.optim.distributed import is_dtensor
+from fxamp.policy import LOW_DTYPES
 
-__all__ = ["FlatBucket", "flatten_param_groups", "refresh_master", "LOW_PRECISION", "ALIGN"]
+__all__ = ["FlatBucket", "flatten_param_groups", "flatten_group", "check_group_params",
+           "refresh_master", "ALIGN"]
 
 log = logging.getLogger(__name__)
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Each parameter starts on a multiple of ALIGN elements: aligned vector loads for the model's own
 # kernels, and whole chunks of ALIGN for LAMB's per-parameter norms.
@@ -73,7 +74,7 @@ class FlatBucket:
         self.grad_views = self.views(self.grad)
         for p, g in zip(self.params, self.grad_views):
             p.grad = g
-        low = master_weights and ref.dtype in LOW_PRECISION
+        low = master_weights and ref.dtype in LOW_DTYPES
         self.master = self.param.float() if low else None
         self.versions = [p._version for p in self.params]
         self.acc: Optional[torch.Tensor] = None  # fp32 unscaled gradients, see Optimizer.unscale_
@@ -160,23 +161,41 @@ def flatten_param_groups(param_groups: Sequence[dict], *, master_weights: bool,
     """One FlatBucket per (group, dtype), after checking every parameter can be flattened.
 
     Raises:
-        ConfigError: for a non-floating, sparse or gradient-free parameter set, or parameters
-            on more than one device; the message names the parameter.
+        ConfigError: for a non-floating or sparse parameter, or parameters on more than one
+            device; the message names the parameter. Nothing is flattened then.
     """
     _check_devices(param_groups, owner)
-    buckets = []
     for gi, group in enumerate(param_groups):
-        by_kind: dict[tuple[torch.dtype, bool], list[torch.nn.Parameter]] = {}
-        for pi, p in enumerate(group["params"]):
-            _check_param(p, gi, pi, owner)
-            if p.requires_grad:
-                by_kind.setdefault((p.dtype, is_dtensor(p)), []).append(p)
-        for (_, dtensor), params in by_kind.items():
-            kind = _sharded_bucket() if dtensor else FlatBucket
-            buckets.append(kind(gi, params, master_weights=master_weights))
+        check_group_params(group, gi, owner)
+    buckets = [b for gi, group in enumerate(param_groups)
+               for b in flatten_group(gi, group, master_weights=master_weights)]
     log.debug("%s: %d buckets, %d parameters", owner, len(buckets),
               sum(len(b.params) for b in buckets))
     return buckets
+
+
+def check_group_params(group: dict, gi: int, owner: str,
+                       device: Optional[torch.device] = None) -> None:
+    """Every parameter of group `gi` can be flattened (and lies on `device`, when given)."""
+    for pi, p in enumerate(group["params"]):
+        _check_param(p, gi, pi, owner)
+        if device is not None and p.device != device:
+            raise ConfigError(f"{owner}: parameter {pi} of param group {gi} is on {p.device}, "
+                              f"the optimizer's parameters on {device}. The step, loss scale "
+                              "and overflow flag live on one device; build one optimizer per "
+                              "device")
+
+
+def flatten_group(gi: int, group: dict, *, master_weights: bool) -> list[FlatBucket]:
+    """The buckets of param group `gi` (checked already): one per dtype of its parameters
+    with `requires_grad`, in the order the dtypes first appear."""
+    by_kind: dict[tuple[torch.dtype, bool], list[torch.nn.Parameter]] = {}
+    for p in group["params"]:
+        if p.requires_grad:
+            by_kind.setdefault((p.dtype, is_dtensor(p)), []).append(p)
+    return [(_sharded_bucket() if dtensor else FlatBucket)(gi, params,
+                                                            master_weights=master_weights)
+            for (_, dtensor), params in by_kind.items()]
 
 
 def _sharded_bucket() -> type:

@@ -16,8 +16,8 @@ import torch
 from fxamp.errors import ConfigError
 from fxamp.optim import (checkpoint, distributed, exits, fused_step, param_checks,
                          scaled_graphs)
-from fxamp.optim.algorithms import LAMB, Algorithm
-from fxamp.optim.flat import FlatBucket, flatten_param_groups
+from fxamp.optim.algorithms import Algorithm
+from fxamp.optim.flat import FlatBucket, flatten_group, flatten_param_groups
 from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.master_grads import MasterGrads
@@ -43,6 +43,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     """
 
     algorithm: Algorithm
+    larc: Optional[Any] = None  # LARCSettings once fxamp.optim.LARC applied them
 
     def __init__(self, params: Any, defaults: dict[str, Any], *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
@@ -68,10 +69,10 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     def _init_group(self, process_group: Any) -> None:
         owner = type(self).__name__
         sharded = [p for b in self._buckets if b.sharded for p in b.params]
-        if sharded and self.algorithm is LAMB:
-            raise ConfigError(f"{owner}: LAMB's per-parameter trust ratio needs whole-parameter "
-                              "norms, which sharded (DTensor) parameters do not have locally; "
-                              "use AdamW, Adam or SGD with FSDP2")
+        if sharded and self.algorithm.per_tensor_norms:
+            raise ConfigError(f"{owner}: {self.algorithm.name}'s per-parameter trust ratio needs "
+                              "whole-parameter norms, which sharded (DTensor) parameters do not "
+                              "have locally; use AdamW, Adam or SGD with FSDP2")
         self._group = distributed.resolve_group(process_group, sharded, owner)
         self._sharded = tuple(b.sharded for b in self._buckets)
         if self._group is not None:
@@ -81,30 +82,69 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     def _init_device_state(self, device: torch.device) -> None:
         rows = [self.algorithm.hyper_row(g) for g in self.param_groups]
         self._hyper_seen: list[tuple] = rows
-        self._hyper = torch.tensor([[float(v) for v in row] for row in rows],
-                                   dtype=torch.float64).to(device)
-        self._step_count = torch.zeros((), dtype=torch.float32, device=device)
+        self._hyper = _hyper_tensor(rows, device)
+        # One step count per param group: a group added later starts at 0, as torch.optim's
+        # per-parameter steps (and Apex FusedAdam's per-group one) do.
+        self._step_count = torch.zeros(len(rows), dtype=torch.float32, device=device)
         self.found_inf = torch.zeros((), dtype=torch.bool, device=device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
         self.grad_norm = torch.full((), float("nan"), device=device)
         """Total norm of the unscaled gradients at the last step (only with max_grad_norm)."""
-        self._states = [
-            tuple(b.state_like() for _ in self.algorithm.state_keys)
-            if self.algorithm.has_state(self.param_groups[b.group_index]) else ()
-            for b in self._buckets]
+        self._states = [self._new_states(b) for b in self._buckets]
         self._aux = [self.algorithm.aux(b) for b in self._buckets]
         self._device = device
 
+    def _new_states(self, bucket: FlatBucket) -> tuple[torch.Tensor, ...]:
+        if not self.algorithm.has_state(self.param_groups[bucket.group_index]):
+            return ()
+        return tuple(bucket.state_like() for _ in self.algorithm.state_keys)
+
+    def set_algorithm(self, algorithm: Algorithm) -> None:
+        """Step with another rule of the same hyperparameters and states (LARC around this
+        one); the compiled step recompiles once."""
+        self.algorithm = algorithm
+        self._aux = [algorithm.aux(b) for b in self._buckets]
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        owner = type(self).__name__
-        if self._buckets is not None:
-            raise ConfigError(f"{owner} flattens its parameters when it is built, "
-                              "so add_param_group afterwards is not supported; build a new "
-                              "optimizer with all the groups")
+        """torch.optim's add_param_group, also after construction (unfreezing layers while
+        fine-tuning): the group's parameters get flat buffers, fp32 masters and zeroed states
+        of their own, and its step count starts at 0. Everything is checked first: a refused
+        group leaves the optimizer as it was.
+
+        Raises:
+            ConfigError: a parameter already optimized, a bad hyperparameter, a parameter that
+                cannot be flattened or lies on another device; the message names it.
+        """
+        owner, index = type(self).__name__, len(self.param_groups)
         param_checks.check_new_group(param_group, self.param_groups, owner)
-        super().add_param_group(param_group)
-        param_checks.check_hyperparameters(self.param_groups[-1], len(self.param_groups) - 1,
-                                           owner)
+        if self._buckets is None:  # torch.optim.Optimizer.__init__ adding the first groups
+            super().add_param_group(param_group)
+            param_checks.check_hyperparameters(self.param_groups[-1], index, owner)
+            return
+        param_checks.check_added_group({**self.defaults, **param_group}, index, owner,
+                                       self._device)
+        super().add_param_group(param_group)  # its own checks fail before it appends
+        self._add_buckets(index)
+
+    def _add_buckets(self, gi: int) -> None:
+        new = flatten_group(gi, self.param_groups[gi], master_weights=self.master_weights)
+        row = self.algorithm.hyper_row(self.param_groups[gi])
+        self._hyper_seen.append(row)
+        self._hyper = torch.cat([self._hyper, _hyper_tensor([row], self._device)])
+        self._step_count = torch.cat([self._step_count, self._step_count.new_zeros(1)])
+        folding = any(b.acc is not None for b in self._buckets)
+        for bucket in new:
+            if folding:  # gradients are being folded: the new ones take part
+                bucket.acc = torch.zeros(bucket.grad.shape, dtype=torch.float32,
+                                         device=self._device)
+            self._states.append(self._new_states(bucket))
+            self._aux.append(self.algorithm.aux(bucket))
+        self._buckets.extend(new)
+        self._sharded = tuple(b.sharded for b in self._buckets)
+        self.master_grads.drop()
+        checkpoint.expose_state(self)  # every entry: the step counts are a new tensor
+        log.debug("%s: param group %d added with %d buckets", type(self).__name__, gi,
+                  len(new))
 
     @property
     def buckets(self) -> list[FlatBucket]:
@@ -320,6 +360,11 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         """Load fxamp's or torch.optim's state dict (masters come from the parameters when the
         dict has none) into the existing flat buffers."""
         checkpoint.load_state_dict(self, state_dict)
+
+
+def _hyper_tensor(rows: list[tuple], device: torch.device) -> torch.Tensor:
+    return torch.tensor([[float(v) for v in row] for row in rows],
+                        dtype=torch.float64).to(device)
 
 
 def _check_scaler_arg(scaler: Any, call: str) -> None:

@@ -11,8 +11,8 @@ import torch
 from fxamp import validation
 from fxamp.errors import ConfigError
 
-__all__ = ["as_param_list", "check_new_group", "check_hyperparameters", "check_has_params",
-           "check_max_grad_norm"]
+__all__ = ["as_param_list", "check_new_group", "check_added_group", "check_hyperparameters",
+           "check_has_params", "check_max_grad_norm"]
 
 _NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening")
 
@@ -36,16 +36,39 @@ def check_new_group(group: Any, groups: list[dict], owner: str) -> None:
     group["params"] = [group["params"]] if isinstance(group["params"], torch.Tensor) \
         else list(group["params"])
     index = len(groups)
-    first: dict[int, str] = {id(p): f"param group {gi}, position {pi}"
+    first: dict[int, str] = {id(_tensor_of(p)): f"param group {gi}, position {pi}"
                              for gi, g in enumerate(groups) for pi, p in enumerate(g["params"])}
-    for pi, p in enumerate(group["params"]):
+    for pi, entry in enumerate(group["params"]):
         where = f"param group {index}, position {pi}"
+        p = _tensor_of(entry)
+        if not isinstance(p, torch.Tensor):
+            raise ConfigError(f"{owner}: the entry at {where} is a {type(p).__name__}, not a "
+                              "parameter tensor")
         if id(p) in first:
-            shape = tuple(p.shape) if isinstance(p, torch.Tensor) else "?"
-            raise ConfigError(f"{owner}: the parameter at {where} (shape {shape}) is also at "
-                              f"{first[id(p)]}; list each parameter once (a flat buffer holds "
-                              "one copy of it)")
+            raise ConfigError(f"{owner}: the parameter at {where} (shape {tuple(p.shape)}) is "
+                              f"also at {first[id(p)]}; list each parameter once (a flat buffer "
+                              "holds one copy of it)")
         first[id(p)] = where
+
+
+def check_added_group(group: dict, index: int, owner: str, device: torch.device) -> None:
+    """A group added after construction (its defaults filled in): hyperparameters, and
+    parameters the flat buffers can take."""
+    from fxamp.optim.distributed import is_dtensor
+    from fxamp.optim.flat import check_group_params
+
+    params = [_tensor_of(p) for p in group["params"]]
+    check_hyperparameters(group, index, owner)
+    check_group_params({"params": params}, index, owner, device)
+    if any(is_dtensor(p) for p in params):
+        raise ConfigError(f"{owner}: param group {index} holds sharded (DTensor) parameters; "
+                          "add_param_group after construction takes unsharded ones only: "
+                          "build the optimizer with all the groups under FSDP2")
+
+
+def _tensor_of(entry: Any) -> Any:
+    # torch.optim takes (name, parameter) pairs too.
+    return entry[1] if isinstance(entry, tuple) and len(entry) == 2 else entry
 
 
 def check_hyperparameters(group: dict, index: int, owner: str) -> None:

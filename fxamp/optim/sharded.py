@@ -23,7 +23,8 @@ from typing import Sequence
 import torch
 
 from fxamp._compat import foreach_add_, foreach_copy_
-from fxamp.optim.flat import LOW_PRECISION, FlatBucket, _layout, refresh_master
+from fxamp.optim.flat import FlatBucket, _layout, refresh_master
+from fxamp.policy import LOW_DTYPES
 
 __all__ = ["ShardedBucket"]
 
@@ -51,7 +52,7 @@ class ShardedBucket(FlatBucket):
         with torch.no_grad():
             for i, t in enumerate(local):
                 self.local_view(self.param, i).copy_(t)
-        low = master_weights and self.param.dtype in LOW_PRECISION
+        low = master_weights and self.param.dtype in LOW_DTYPES
         self.master = self.param.float() if low else None
         self.acc = None
         self.versions = self._local_versions()

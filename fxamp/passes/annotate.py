@@ -17,12 +17,12 @@ import torch
 import torch.fx as fx
 
 from fxamp._compat import ENTER_AUTOCAST, EXIT_AUTOCAST, OpOverload, pytree
-from fxamp.config import LOW_DTYPES, AmpConfig
+from fxamp.config import AmpConfig
 from fxamp.errors import FxampError
 from fxamp.passes.hops import body_inputs, hop_spec
-from fxamp.policy import CastPolicy
+from fxamp.policy import LOW_DTYPES, CastPolicy
 from fxamp.provenance import is_boundary_cast
-from fxamp.rules import ONE_DTYPE_OPS, USER_CAST_OPS, castable_args, choose_policy
+from fxamp.policy.rules import ONE_DTYPE_OPS, USER_CAST_OPS, castable_args, choose_policy
 
 __all__ = ["FXAMP_META", "OpDecision", "annotate", "short_dtype"]
 

@@ -25,7 +25,7 @@ from fxamp.float8.config import Float8Config
 from fxamp.float8.delayed import PREFIX, Float8History
 from fxamp.float8.gemm import float8_linear, float8_matmul
 from fxamp.passes.annotate import short_dtype
-from fxamp.rules import module_path
+from fxamp.provenance import module_of
 
 __all__ = ["FLOAT8_META", "GemmChoice", "GEMM_OPS", "decide_gemms", "rewrite_gemms",
            "is_float8_gemm"]
@@ -64,12 +64,8 @@ def _val(node: Any) -> Any:
 
 
 def _module(node: fx.Node) -> tuple[str, str]:
-    stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "<root>", ""
-    dynamo_path, module_type = list(stack.values())[-1]
-    type_name = getattr(module_type, "__name__", str(module_type).rsplit(".", 1)[-1])
-    return module_path(dynamo_path) or "<root>", type_name
+    path, type_name = module_of(node.meta.get("nn_module_stack"))
+    return path or "<root>", type_name
 
 
 def _operands(node: fx.Node) -> tuple[Any, Any, Optional[str]]:

@@ -6,12 +6,12 @@ import torch
 import torch.fx as fx
 
 from fxamp._compat import OpOverload
-from fxamp.config import LOW_DTYPES, AmpConfig
+from fxamp.config import AmpConfig
 from fxamp.errors import BannedOpError, FxampError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
-from fxamp.policy import BANNED_ALTERNATIVES, CastPolicy, preset_table
+from fxamp.policy import BANNED_ALTERNATIVES, LOW_DTYPES, CastPolicy, preset_table
 from fxamp.provenance import innermost_frame, module_of
-from fxamp.rules import BATCH_NORM_OPS, ONE_DTYPE_OPS
+from fxamp.policy.rules import BATCH_NORM_OPS, ONE_DTYPE_OPS
 
 __all__ = ["validate", "where"]
 

@@ -84,13 +84,6 @@ def test_loss_id_out_of_range():
             pass
 
 
-def test_add_param_group_after_construction():
-    model = make_mlp()
-    opt = fo.AdamW(model[0].parameters(), compile=False)
-    with pytest.raises(ConfigError, match="add_param_group afterwards is not supported"):
-        opt.add_param_group({"params": model[2].parameters()})
-
-
 def test_fp16_optimizer_refuses_stepped_or_fxamp_optimizers():
     model = make_mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

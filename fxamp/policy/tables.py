@@ -7,34 +7,24 @@ Three presets, each a frozen mapping from `OpOverload` to a cast policy:
 - ``"apex"`` maps Apex amp's torch-function lists (fp16 / fp32 / promote / banned) onto the
   same ATen overloads.
 
-Names that this torch build does not have are skipped, so a preset never fails to load.
-Precedence, highest first (see docs/op_policy.md): a module override matching the node's
-`nn_module_stack` (innermost module first), an op override, the preset, and otherwise the op
-runs in whatever dtype its inputs have.
+Names that this torch build does not have are left out of its tables, so a preset never fails
+to load, and listed by `unresolved_names` (tests/test_policy.py lists them per supported torch
+build, so that a misspelt name fails a test instead of disappearing). The precedence between
+tables and overrides is in rules.py.
 """
 
 from __future__ import annotations
 
-import enum
 import types
-from typing import Iterable, Mapping
+from typing import Mapping
 
 import torch
 
 from fxamp._compat import OpOverload
+from fxamp.policy.vocabulary import CastPolicy
 
-__all__ = ["CastPolicy", "PRESETS", "preset_table", "resolve_op_names", "BANNED_ALTERNATIVES"]
-
-
-class CastPolicy(str, enum.Enum):
-    """What a policy does to an op's eligible inputs (floating, on the compute device, not fp64)."""
-
-    LOWER = "lower"  # cast to the low dtype (autocast's lower_precision_fp)
-    FP32 = "fp32"  # cast to float32
-    FP32_SET_OPT_DTYPE = "fp32_set_opt_dtype"  # pass dtype=float32 when the op has a dtype arg
-    PROMOTE = "promote"  # cast to the widest eligible input type
-    BANNED = "banned"  # refuse under low precision, naming the safe alternative
-    KEEP = "keep"  # leave the op exactly as traced
+__all__ = ["PRESETS", "preset_table", "unresolved_names", "resolve_op_name",
+           "BANNED_ALTERNATIVES", "ONE_DTYPE_OPS"]
 
 
 BANNED_ALTERNATIVES = {
@@ -130,34 +120,46 @@ ne.Tensor lt.Tensor le.Tensor gt.Tensor ge.Tensor cat stack
 _BANNED = "binary_cross_entropy"
 
 
-def resolve_op_names(names: Iterable[str]) -> list[OpOverload]:
-    """'softmax.int' -> aten.softmax.int, 'mm' -> aten.mm.default; unknown names are skipped."""
-    ops = []
-    for name in names:
-        packet_name, _, overload = name.partition(".")
-        packet = getattr(torch.ops.aten, packet_name, None)
-        op = getattr(packet, overload or "default", None) if packet is not None else None
-        if isinstance(op, OpOverload):
-            ops.append(op)
-    return ops
+def resolve_op_name(name: str) -> OpOverload | None:
+    """'softmax.int' -> aten.softmax.int, 'mm' -> aten.mm.default; None if this build lacks it."""
+    packet_name, _, overload = name.partition(".")
+    packet = getattr(torch.ops.aten, packet_name, None)
+    op = getattr(packet, overload or "default", None) if packet is not None else None
+    return op if isinstance(op, OpOverload) else None
 
 
-def _table(**lists: str) -> Mapping[OpOverload, CastPolicy]:
+# The lists of each preset, by the policy they give.
+_LISTS: Mapping[str, Mapping[str, str]] = types.MappingProxyType({
+    "torch-cuda": dict(lower=_TORCH_CUDA_LOWER, fp32=_TORCH_CUDA_FP32,
+                       fp32_set_opt_dtype=_TORCH_FP32_SET_OPT_DTYPE, promote=_TORCH_CUDA_PROMOTE,
+                       banned=_BANNED),
+    "torch-cpu": dict(lower=_TORCH_CPU_LOWER, fp32=_TORCH_CPU_FP32, promote=_TORCH_CPU_PROMOTE),
+    "apex": dict(lower=_APEX_LOWER, fp32=_APEX_FP32, promote=_APEX_PROMOTE, banned=_BANNED),
+})
+
+
+def _table(lists: Mapping[str, str]) -> Mapping[OpOverload, CastPolicy]:
     table: dict[OpOverload, CastPolicy] = {}
     for policy_name, names in lists.items():
-        for op in resolve_op_names(names.split()):
+        for op in filter(None, map(resolve_op_name, names.split())):
             table[op] = CastPolicy(policy_name)
     return types.MappingProxyType(table)
 
 
-PRESETS: Mapping[str, Mapping[OpOverload, CastPolicy]] = types.MappingProxyType({
-    "torch-cuda": _table(lower=_TORCH_CUDA_LOWER, fp32=_TORCH_CUDA_FP32,
-                         fp32_set_opt_dtype=_TORCH_FP32_SET_OPT_DTYPE,
-                         promote=_TORCH_CUDA_PROMOTE, banned=_BANNED),
-    "torch-cpu": _table(lower=_TORCH_CPU_LOWER, fp32=_TORCH_CPU_FP32, promote=_TORCH_CPU_PROMOTE),
-    "apex": _table(lower=_APEX_LOWER, fp32=_APEX_FP32, promote=_APEX_PROMOTE, banned=_BANNED),
-})
+PRESETS: Mapping[str, Mapping[OpOverload, CastPolicy]] = types.MappingProxyType(
+    {name: _table(lists) for name, lists in _LISTS.items()})
+
+# Ops whose kernels take one floating dtype (matmuls, convolutions, attention): the ops
+# torch.autocast lowers on CUDA. A policy that hands them mixed dtypes cannot run, so validate
+# refuses it, and at O2/O3 an fp32 value meeting low-precision ones there is cast (annotate).
+ONE_DTYPE_OPS = frozenset(op for op in map(resolve_op_name, _TORCH_CUDA_LOWER.split()) if op)
 
 
 def preset_table(name: str) -> Mapping[OpOverload, CastPolicy]:
     return PRESETS[name]
+
+
+def unresolved_names(preset: str) -> tuple[str, ...]:
+    """The names in `preset`'s lists that this torch build has no ATen overload for."""
+    names = {n for names in _LISTS[preset].values() for n in names.split()}
+    return tuple(sorted(n for n in names if resolve_op_name(n) is None))

@@ -1,4 +1,5 @@
-"""How one node's policy is chosen: overrides, the preset table, and per-op rules.
+"""How one node's policy is chosen: overrides, a user's NodePolicy, the preset table, and
+per-op rules.
 
 `choose_policy` answers "which CastPolicy applies to this node, and why" from data only (the
 config and the node's own metadata); `castable_args` answers "which of its tensor arguments may
@@ -15,13 +16,15 @@ import torch
 
 from fxamp._compat import OpOverload
 from fxamp.config import AmpConfig
-from fxamp.errors import ConfigError
-from fxamp.provenance import module_chain, module_path
-from fxamp.policy import CastPolicy, preset_table
+from fxamp.errors import ConfigError, FxampError
+from fxamp.policy.names import names_of
+from fxamp.policy.tables import ONE_DTYPE_OPS, preset_table
+from fxamp.policy.vocabulary import OVERRIDE_CHOICES, CastPolicy, NodePolicy
+from fxamp.provenance import module_chain
 
-__all__ = ["choose_policy", "module_path", "match_module_override", "register_rule",
-           "castable_args", "is_compute_op", "check_op_override_keys", "check_module_overrides",
-           "USER_CAST_OPS", "ONE_DTYPE_OPS"]
+__all__ = ["choose_policy", "match_module_override", "register_rule", "castable_args",
+           "is_compute_op", "check_module_overrides", "USER_CAST_OPS", "ONE_DTYPE_OPS",
+           "BATCH_NORM_OPS"]
 
 aten = torch.ops.aten
 
@@ -30,11 +33,6 @@ USER_CAST_OPS = frozenset(op for op in (
     aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other, aten._to_copy.default,
     aten.type_as.default,
 ) if isinstance(op, OpOverload))
-
-# Ops whose kernels take one floating dtype (matmuls, convolutions, attention): the ops
-# torch.autocast lowers on CUDA. A policy that hands them mixed dtypes cannot run.
-ONE_DTYPE_OPS = frozenset(op for op, p in preset_table("torch-cuda").items()
-                          if p is CastPolicy.LOWER)
 
 BATCH_NORM_OPS = frozenset((aten.batch_norm.default, aten.instance_norm.default))
 
@@ -93,26 +91,11 @@ def _module_override(node: torch.fx.Node, config: AmpConfig) -> Optional[tuple[s
 
 
 def _op_override(op: OpOverload, config: AmpConfig) -> Optional[tuple[str, str]]:
-    packet = op.overloadpacket.__name__
-    names = {str(op), str(op.overloadpacket), packet, f"{packet}.{op._overloadname}"}
+    names = names_of(op)
     for key, choice in config.op_overrides:
         if key in names:
             return f"op override {key!r}", choice
     return None
-
-
-def check_op_override_keys(config: AmpConfig) -> None:
-    """Every op_overrides key must name an ATen op (raises ConfigError otherwise)."""
-    for key, _ in config.op_overrides:
-        parts = key.split(".")
-        if parts[0] == "aten":
-            parts = parts[1:]
-        packet = getattr(aten, parts[0], None) if parts else None
-        if packet is None or (len(parts) > 1 and not hasattr(packet, parts[1])):
-            raise ConfigError(
-                f"op_overrides key {key!r} is not an ATen op or overload "
-                "(write it as 'aten.softmax' or 'aten.softmax.int')"
-            )
 
 
 def check_module_overrides(model: torch.nn.Module, config: AmpConfig) -> None:
@@ -150,7 +133,22 @@ def choose_policy(node: torch.fx.Node, config: AmpConfig) -> tuple[CastPolicy, s
         return CastPolicy.LOWER, f"{config.opt_level} batch_norm in the model dtype"
     if not config.patch_torch_functions:
         return CastPolicy.KEEP, f"{config.opt_level} casts no ops: runs in its inputs' dtype"
+    if config.custom_policy is not None:
+        found = _node_policy(node, config.custom_policy)
+        if found:
+            return found
     policy = preset_table(config.policy).get(op)
     if policy is not None:
         return policy, f"{config.policy} table"
     return CastPolicy.KEEP, "not in the table: runs in its inputs' dtype"
+
+
+def _node_policy(node: torch.fx.Node, rules: NodePolicy) -> Optional[tuple[CastPolicy, str]]:
+    answer = rules.policy_for(node)
+    if answer is None:
+        return None
+    if answer not in OVERRIDE_CHOICES:  # CastPolicy is a str enum: "fp32" matches FP32 too
+        choices = ", ".join(repr(c.value) for c in OVERRIDE_CHOICES)
+        raise FxampError(f"{type(rules).__name__}.policy_for({node.format_node()}) returned "
+                         f"{answer!r}; it must return one of {choices} or None")
+    return CastPolicy(answer), f"{type(rules).__name__}.policy_for"

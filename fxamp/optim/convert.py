@@ -1,0 +1,47 @@
+"""torch's Adam, AdamW and SGD as fxamp's fused counterparts, with the same param groups and
+hyperparameters: what `initialize` (and `LARC` of a torch optimizer) builds in their place."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from fxamp.optim import optimizers
+from fxamp.optim.optimizer import FusedOptimizer
+
+__all__ = ["fused_class", "to_fused"]
+
+_NATIVE = {torch.optim.AdamW: optimizers.AdamW, torch.optim.Adam: optimizers.Adam,
+           torch.optim.SGD: optimizers.SGD}
+_UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable")
+_DROPPED_KEYS = ("foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad",
+                 "decoupled_weight_decay", "initial_lr", "param_names")
+
+
+def fused_class(opt: torch.optim.Optimizer) -> Optional[type]:
+    """The fused class `opt` becomes, or None when fxamp has none for its rule or flags."""
+    if isinstance(opt, FusedOptimizer):
+        return type(opt)
+    cls = _NATIVE.get(type(opt))
+    if cls is None or any(g.get(flag) for g in opt.param_groups for flag in _UNSUPPORTED_FLAGS):
+        return None
+    if cls is optimizers.Adam and opt.param_groups[0].get("decoupled_weight_decay"):
+        return optimizers.AdamW
+    return cls
+
+
+def to_fused(opt: torch.optim.Optimizer, cls: type, *, master_weights: bool,
+             compile: bool) -> FusedOptimizer:
+    """A new `cls` over `opt`'s param groups (its state is not carried over); an fxamp
+    optimizer keeps its `max_grad_norm` and its LARC settings."""
+    groups = [{k: v for k, v in g.items() if k not in _DROPPED_KEYS} for g in opt.param_groups]
+    extra: dict[str, Any] = {}
+    if isinstance(opt, FusedOptimizer):
+        extra["max_grad_norm"] = opt.max_grad_norm
+    new = cls(groups, master_weights=master_weights, compile=compile, **extra)
+    if getattr(opt, "larc", None) is not None:
+        from fxamp.optim.larc import apply_larc  # larc builds on this module
+
+        apply_larc(new, opt.larc)
+    return new
