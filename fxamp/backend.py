@@ -68,16 +68,18 @@ class FxampBackend:
         options: Inductor config patches, as `torch.compile(options=...)` takes them.
 
     Instances remember the graphs they transformed in `compiled_graphs` (for explain()).
-    Two backends compare equal only when config and compiler settings are equal, so a
-    changed policy never reuses a stale compiled graph.
+    Two backends compare equal only when the graph part of their configs (`config.graph`) and
+    their compiler settings are equal, so a changed policy never reuses a stale compiled
+    graph, and a changed loss-scale setting never recompiles one.
     """
 
     def __init__(self, config: AmpConfig, *, compiler: Compiler = "inductor",
                  mode: Optional[str] = None, options: Optional[dict] = None):
         check_compiler(compiler, mode, options)
         self.config = config
-        self._key = (config.cache_key(), compiler if isinstance(compiler, str) else id(compiler),
-                     mode, tuple(sorted((options or {}).items())))
+        compiler_key = compiler if isinstance(compiler, str) else id(compiler)
+        self._key = (config.graph.cache_key(), compiler_key, mode,
+                     tuple(sorted((options or {}).items())))
         self._inner = _inner_compiler(compiler, mode, options)
         self.compile_args = {"compiler": compiler, "mode": mode, "options": options}
         self.compiled_graphs: list[CompiledGraph] = []

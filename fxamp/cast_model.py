@@ -16,7 +16,7 @@ import torch
 
 from fxamp import _compat
 from fxamp.config import AmpConfig
-from fxamp.policy import LOW_DTYPES
+from fxamp.policy import LOW_DTYPES, CastPolicy
 from fxamp.provenance import boundary_casts
 from fxamp.policy.rules import match_module_override
 
@@ -32,7 +32,7 @@ def storage_dtype(name: str, module: torch.nn.Module, config: AmpConfig) -> Opti
         if isinstance(module, _BATCH_NORM) and config.keep_batchnorm_fp32:
             return torch.float32
         found = match_module_override(name, type(module).__name__, config)
-        if found and found[1] == "fp32":
+        if found and found[1] == CastPolicy.FP32:
             return torch.float32
     return target
 

@@ -20,9 +20,12 @@ from fxamp.passes.hops import policy_bodies
 from fxamp.passes.printing import format_graph
 from fxamp.provenance import module_of
 from fxamp.prepare import CompileSettings, prepare, requested_config
+from fxamp.policy import CastPolicy
 from fxamp.policy.rules import is_compute_op
 
 __all__ = ["explain", "Explanation", "OpRow"]
+
+_FP32 = (CastPolicy.FP32, CastPolicy.FP32_SET_OPT_DTYPE)  # OpRow.policy is the value string
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +73,7 @@ class Explanation:
 
     @property
     def ops_in_fp32(self) -> int:
-        return sum(r.output == "f32" and r.policy in ("fp32", "fp32_set_opt_dtype")
+        return sum(r.output == "f32" and r.policy in _FP32
                    for r in self.rows)
 
     def gemm_report(self) -> str:

@@ -141,3 +141,20 @@ def test_boundary_casts_keep_the_output_containers():
     assert type(named) is collections.OrderedDict
     assert (out.logits.dtype, out.hidden[0].dtype) == (torch.float32, torch.float32)
     assert (named["h"].dtype, named["n"].dtype) == (torch.float32, torch.int64)
+
+
+def test_a_loss_scale_setting_does_not_recompile():
+    # The backend keys on the graph part of the config only (AmpConfig.graph): loss-scale and
+    # master-weight settings change nothing in the graph, so Dynamo reuses the compiled one.
+    def fn(x):
+        return torch.mm(x, x).softmax(-1)
+
+    first = fxamp.backend(opt_level="O1", compiler="aot_eager", loss_scale=128.0)
+    second = fxamp.backend(opt_level="O1", compiler="aot_eager", max_loss_scale=2.0**16)
+    other_policy = fxamp.backend(opt_level="O1", compiler="aot_eager",
+                                 op_overrides={"aten.mm": "fp32"})
+    x = torch.randn(4, 4)
+    for backend in (first, second, other_policy):
+        torch.compile(fn, backend=backend)(x)
+    assert first == second and first != other_policy
+    assert [len(b.compiled_graphs) for b in (first, second, other_policy)] == [1, 0, 1]

@@ -13,7 +13,8 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from fxamp.config import AmpConfig, _as_loss_scale
+from fxamp.config import AmpConfig
+from fxamp.config_parts import as_loss_scale
 from fxamp.errors import ConfigError
 from fxamp.optim.scale_rule import (UNSET, build_rule, check_scale_value, compiled_update,
                                     update_in_place)
@@ -62,7 +63,7 @@ class LossScaler:
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          hysteresis=hysteresis, min_loss_scale=min_loss_scale,
                          max_loss_scale=max_loss_scale)
-        static = _as_loss_scale(loss_scale)  # "dynamic" or a checked float, as in AmpConfig
+        static = as_loss_scale(loss_scale)  # "dynamic" or a checked float, as in AmpConfig
         self.semantics = semantics
         self.rule, init = build_rule(semantics, static == "dynamic", consecutive_hysteresis,
                                      overrides)

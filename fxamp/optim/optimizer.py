@@ -15,9 +15,9 @@ import torch
 
 from fxamp.errors import ConfigError
 from fxamp.optim import (checkpoint, distributed, exits, fused_step, param_checks,
-                         scaled_graphs)
+                         param_groups, scaled_graphs)
 from fxamp.optim.algorithms import Algorithm
-from fxamp.optim.flat import FlatBucket, flatten_group, flatten_param_groups
+from fxamp.optim.flat import FlatBucket, flatten_param_groups
 from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.master_grads import MasterGrads
@@ -60,6 +60,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._buckets = flatten_param_groups(self.param_groups, master_weights=master_weights,
                                              owner=type(self).__name__)
         self._init_group(process_group)
+        self._left_out = param_groups.left_out(self.param_groups, self._buckets)
         device = next(p for g in self.param_groups for p in g["params"]).device
         self._init_device_state(device)
         self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
@@ -82,7 +83,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     def _init_device_state(self, device: torch.device) -> None:
         rows = [self.algorithm.hyper_row(g) for g in self.param_groups]
         self._hyper_seen: list[tuple] = rows
-        self._hyper = _hyper_tensor(rows, device)
+        self._hyper = param_groups.hyper_tensor(rows, device)
         # One step count per param group: a group added later starts at 0, as torch.optim's
         # per-parameter steps (and Apex FusedAdam's per-group one) do.
         self._step_count = torch.zeros(len(rows), dtype=torch.float32, device=device)
@@ -124,27 +125,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         param_checks.check_added_group({**self.defaults, **param_group}, index, owner,
                                        self._device)
         super().add_param_group(param_group)  # its own checks fail before it appends
-        self._add_buckets(index)
-
-    def _add_buckets(self, gi: int) -> None:
-        new = flatten_group(gi, self.param_groups[gi], master_weights=self.master_weights)
-        row = self.algorithm.hyper_row(self.param_groups[gi])
-        self._hyper_seen.append(row)
-        self._hyper = torch.cat([self._hyper, _hyper_tensor([row], self._device)])
-        self._step_count = torch.cat([self._step_count, self._step_count.new_zeros(1)])
-        folding = any(b.acc is not None for b in self._buckets)
-        for bucket in new:
-            if folding:  # gradients are being folded: the new ones take part
-                bucket.acc = torch.zeros(bucket.grad.shape, dtype=torch.float32,
-                                         device=self._device)
-            self._states.append(self._new_states(bucket))
-            self._aux.append(self.algorithm.aux(bucket))
-        self._buckets.extend(new)
-        self._sharded = tuple(b.sharded for b in self._buckets)
-        self.master_grads.drop()
-        checkpoint.expose_state(self)  # every entry: the step counts are a new tensor
-        log.debug("%s: param group %d added with %d buckets", type(self).__name__, gi,
-                  len(new))
+        param_groups.add_buckets(self, index)
 
     @property
     def buckets(self) -> list[FlatBucket]:
@@ -168,6 +149,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         if callable(scaler) and not isinstance(scaler, LossScaler):
             scaler, closure = None, scaler  # torch.optim's positional closure
         _check_scaler_arg(scaler, "step")
+        param_groups.check_left_out(self)
         exits.settle(self)  # Note [Apex's scale_loss exits]
         exits.take(self)
         pending = self._raw_scaler or self._unless_exits(scaler)  # the raw grads' scale
@@ -298,6 +280,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     def gather_master_grads(self) -> None:
         """Compute the unscaled master gradients that `fxamp.optim.master_params` yields, from
         the raw ones and the scale they carry (Note [Gathered master gradients])."""
+        param_groups.check_left_out(self)
         exits.settle(self)
         scaler = self._raw_scaler or self._unless_exits(self._default_scaler())
         if scaler is None:
@@ -360,11 +343,6 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         """Load fxamp's or torch.optim's state dict (masters come from the parameters when the
         dict has none) into the existing flat buffers."""
         checkpoint.load_state_dict(self, state_dict)
-
-
-def _hyper_tensor(rows: list[tuple], device: torch.device) -> torch.Tensor:
-    return torch.tensor([[float(v) for v in row] for row in rows],
-                        dtype=torch.float64).to(device)
 
 
 def _check_scaler_arg(scaler: Any, call: str) -> None:

@@ -74,8 +74,9 @@ def _init(model, opt, **kw):
     return fo.initialize(model, opt, compiler="aot_eager", **kw)
 
 
-@pytest.mark.parametrize("opt_level", ["O0", "O1", "O2", "O3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("opt_level,dtype", [
+    ("O0", torch.bfloat16), ("O1", torch.float32), ("O2", torch.float32), ("O2", torch.float16),
+    ("O3", torch.bfloat16)])
 def test_cast_model_type_false_leaves_the_model_dtypes_alone(opt_level, dtype):
     model = make_mlp(dtype)
     _, opt = _init(model, torch.optim.SGD(model.parameters(), lr=0.1), opt_level=opt_level,

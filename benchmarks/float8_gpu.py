@@ -1,0 +1,166 @@
+"""Float8 training speed on a GPU: bf16, torchao float8 and fxamp float8, in one process.
+
+    python3 -m benchmarks.float8_gpu --json out/float8.json          # H100/H200: 1B Llama, GPT-2
+    python3 -m benchmarks.float8_gpu --smoke                         # CPU, tiny: the code path
+
+For each model (a Llama-style 1B and GPT-2 124M, transformers configs with random weights) it
+trains the same steps on the same batches in each mode, taking turns, and prints tokens/s,
+peak memory and the final loss; the modes (all O2-style bf16 weights, torch.optim.AdamW):
+  bf16            fxamp.compile(opt_level="O2", dtype=bf16)
+  torchao-f8      torchao's convert_to_float8_training(recipe) + torch.compile
+  fxamp-f8        fxamp.compile(opt_level="O2", dtype=bf16, float8=recipe)
+  fxamp-f8-delay  the same with Float8Config(scaling="delayed")
+Targets (issue 15, H100, tensorwise): fxamp-f8 >= torchao-f8 tokens/s, >= 1.2x bf16 on the
+1B model, delayed >= dynamic, final loss within 0.5 % of bf16. Without CUDA (and without
+--smoke) it prints why and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+import transformers
+
+import fxamp
+
+# name: (hidden, intermediate, layers, heads, kv heads, vocab, seq, batch)
+MODELS = {
+    "llama1b": ("llama", 2048, 5632, 16, 32, 8, 32000, 2048, 4),
+    "gpt2": ("gpt2", 768, 3072, 12, 12, 12, 50304, 1024, 8),
+}
+TINY = {"llama1b": ("llama", 64, 128, 2, 4, 4, 256, 32, 2),
+        "gpt2": ("gpt2", 64, 256, 2, 4, 4, 256, 32, 2)}
+MODES = ("bf16", "torchao-f8", "fxamp-f8", "fxamp-f8-delay")
+
+
+def build(spec: tuple) -> torch.nn.Module:
+    kind, hidden, inter, layers, heads, kv, vocab, seq, _ = spec
+    torch.manual_seed(0)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=hidden, intermediate_size=inter,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+            max_position_embeddings=seq, attn_implementation="sdpa"))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=vocab, n_embd=hidden, n_inner=inter, n_layer=layers, n_head=heads,
+        n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def prepare(mode: str, base: torch.nn.Module, recipe: str, compiler: str) -> torch.nn.Module:
+    model = copy.deepcopy(base)
+    if mode == "torchao-f8":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        model = model.to(torch.bfloat16)
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
+        return torch.compile(model, backend=compiler)
+    float8 = {"bf16": None, "fxamp-f8": recipe,
+              "fxamp-f8-delay": fxamp.Float8Config(recipe=recipe, scaling="delayed")}[mode]
+    return fxamp.compile(model, opt_level="O2", dtype=torch.bfloat16, float8=float8,
+                         compiler=compiler)
+
+
+def _step(model, opt, ids) -> torch.Tensor:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def run_model(name: str, spec: tuple, device: str, modes: list[str], recipe: str,
+              steps: int, warmup: int, compiler: str) -> dict:
+    *_, vocab, seq, batch = spec
+    base = build(spec).to(device)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, vocab, (batch, seq), generator=gen).to(device)
+               for _ in range(warmup + steps)]
+    results = {}
+    for mode in modes:
+        results[mode] = _time_mode(mode, base, recipe, compiler, batches, warmup, device)
+        print(f"{name:8s} {mode:15s} {_line(results[mode], batch * seq)}", flush=True)
+    return results
+
+
+def _time_mode(mode, base, recipe, compiler, batches, warmup, device) -> dict:
+    try:
+        model = prepare(mode, base, recipe, compiler)
+    except (ImportError, fxamp.ConfigError) as e:
+        return {"skipped": f"{type(e).__name__}: {e}"}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for ids in batches[:warmup]:
+        _step(model, opt, ids)
+    sync()
+    start = time.perf_counter()
+    losses = [_step(model, opt, ids) for ids in batches[warmup:]]
+    sync()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else None
+    return {"seconds": seconds, "steps": len(losses), "final_loss": losses[-1].item(),
+            "peak_gib": peak}
+
+
+def _line(r: dict, tokens_per_step: int) -> str:
+    if "skipped" in r:
+        return f"skipped ({r['skipped']})"
+    tps = r["steps"] * tokens_per_step / r["seconds"]
+    peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f} GiB"
+    return f"{tps:12.0f} tokens/s  peak {peak:>10s}  final loss {r['final_loss']:.4f}"
+
+
+def targets(results: dict) -> list[str]:
+    """The issue's targets, as lines of text, for the models measured."""
+    lines = []
+    for name, r in results.items():
+        ok = {m: "seconds" in r.get(m, {}) for m in MODES}
+        if ok["fxamp-f8"] and ok["bf16"]:
+            speedup = r["bf16"]["seconds"] / r["fxamp-f8"]["seconds"]
+            drift = abs(r["fxamp-f8"]["final_loss"] / r["bf16"]["final_loss"] - 1)
+            lines.append(f"{name}: fxamp-f8 / bf16 = {speedup:.2f}x (target >= 1.2 on llama1b); "
+                         f"final loss {100 * drift:.2f} % from bf16 (target <= 0.5 %)")
+        if ok["fxamp-f8"] and ok["torchao-f8"]:
+            ratio = r["torchao-f8"]["seconds"] / r["fxamp-f8"]["seconds"]
+            lines.append(f"{name}: fxamp-f8 / torchao-f8 = {ratio:.2f}x (target >= 1.0)")
+        if ok["fxamp-f8"] and ok["fxamp-f8-delay"]:
+            ratio = r["fxamp-f8"]["seconds"] / r["fxamp-f8-delay"]["seconds"]
+            lines.append(f"{name}: delayed / dynamic = {ratio:.2f}x (target >= 1.0)")
+    return lines
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, aot_eager")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("float8_gpu: skipped, no CUDA device (use --smoke for the CPU code path)")
+        return {}
+    device, compiler = ("cpu", "aot_eager") if args.smoke else ("cuda", "inductor")
+    steps, warmup = (2, 1) if args.smoke else (args.steps, args.warmup)
+    results = {name: run_model(name, (TINY if args.smoke else MODELS)[name], device,
+                               args.modes, args.recipe, steps, warmup, compiler)
+               for name in args.models}
+    for line in targets(results):
+        print(line)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"recipe": args.recipe, "device": device, "results": results}, f, indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
