@@ -4,16 +4,16 @@
 overflow check, clipping, update, skip, master -> model copy, loss-scale update; no host read);
 `LARC` puts Apex's trust-ratio learning rates into their step;
 `LossScaler` holds a static or dynamic scale on the device; `initialize`, `scale_loss`,
-`master_params`, `FP16_Optimizer` and the amp state dict helpers mirror Apex.
+`unscale_`, `master_params`, `FP16_Optimizer` and the amp state dict helpers mirror Apex.
 """
 
-from fxamp.optim.apex import (amp_state_dict, initialize, load_amp_state_dict, master_params,
-                              scale_loss)
+from fxamp.optim.apex import amp_state_dict, initialize, load_amp_state_dict, master_params
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.larc import LARC
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.optim.optimizers import LAMB, SGD, Adam, AdamW
+from fxamp.optim.scale_loss import scale_loss, unscale_
 from fxamp.optim.state_format import StateFormat
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "StateFormat",
     "initialize",
     "scale_loss",
+    "unscale_",
     "master_params",
     "amp_state_dict",
     "load_amp_state_dict",

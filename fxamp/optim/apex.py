@@ -1,10 +1,9 @@
-"""Apex amp's entry points for people migrating: initialize, scale_loss, master_params and the
-amp state dict, with no global state: the loss scalers live on the optimizers `initialize`
-returns, shared by all of them (Apex's `_amp_state.loss_scalers`)."""
+"""Apex amp's entry points for people migrating: initialize, master_params and the amp state
+dict (scale_loss is in scale_loss.py), with no global state: the loss scalers live on the
+optimizers `initialize` returns, shared by all of them (Apex's `_amp_state.loss_scalers`)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -21,7 +20,7 @@ from fxamp.optim.master_grads import master_params_of
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.prepare import CompileSettings, check_model, prepare
 
-__all__ = ["initialize", "scale_loss", "master_params", "amp_state_dict", "load_amp_state_dict"]
+__all__ = ["initialize", "master_params", "amp_state_dict", "load_amp_state_dict"]
 
 log = logging.getLogger(__name__)
 
@@ -157,46 +156,6 @@ def _has_state(opt: torch.optim.Optimizer) -> bool:
     if isinstance(opt, FusedOptimizer):
         return bool(opt._step_count.any())
     return bool(opt.state)
-
-
-@contextlib.contextmanager
-def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0,
-               model: Optional[torch.nn.Module] = None, delay_unscale: bool = False,
-               delay_overflow_check: bool = False) -> Iterator[torch.Tensor]:
-    """Apex's `amp.scale_loss`: yields `loss.float() * scale` for `backward()`.
-
-    Unscaling, the overflow check and the scale update happen in the optimizer's fused step, so
-    `delay_unscale` and `delay_overflow_check` change nothing; gradients of several losses with
-    different `loss_id`s are folded into fp32 before the next backward. An optimizer that did
-    not come from `initialize` (e.g. with enabled=False) gets the loss unchanged.
-
-    Raises:
-        ConfigError: `loss_id` outside the `num_losses` given to `initialize`.
-    """
-    opts = list(optimizers) if isinstance(optimizers, (list, tuple)) else [optimizers]
-    scalers = getattr(opts[0], "loss_scalers", None)
-    if not scalers:
-        yield loss
-        return
-    if not 0 <= loss_id < len(scalers):
-        raise ConfigError(f"loss_id={loss_id} is out of range: initialize(num_losses="
-                          f"{len(scalers)}) made loss ids 0..{len(scalers) - 1}")
-    scaler = scalers[loss_id]
-    for opt in opts:
-        opt.before_backward(scaler)
-    yield scaler.scale(loss)
-    for opt in opts:
-        opt.after_backward(scaler)
-    if len(opts) > 1:  # one overflow flag must skip them all, as Apex's global one did
-        for opt in opts:
-            _unscale(opt, scaler)
-
-
-def _unscale(opt: Any, scaler: LossScaler) -> None:
-    if isinstance(opt, FP16_Optimizer):
-        opt.update_master_grads()
-    else:
-        opt.unscale_(scaler)
 
 
 def master_params(optimizer: Any) -> Iterator[torch.Tensor]:

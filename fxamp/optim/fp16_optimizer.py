@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import fused_step
+from fxamp.optim import exits, fused_step
 from fxamp.optim.distributed import is_dtensor
 from fxamp.optim.flat import flatten_param_groups
 from fxamp.optim.folding import GradientFolding
@@ -63,9 +63,7 @@ class FP16_Optimizer(GradientFolding):
         self._device = self._masters[0].device if self._masters else torch.device("cpu")
         self.found_inf = torch.zeros((), dtype=torch.bool, device=self._device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
-        self._fold_fn = (fused_step.compiled() if compile else fused_step.eager)["fold_grads"]
-        self._raw_scaler: Optional[LossScaler] = None
-        self._involved: list[LossScaler] = []
+        self._init_folding((fused_step.compiled() if compile else fused_step.eager)["fold_grads"])
         (log.info if verbose else log.debug)(
             "FP16_Optimizer: %d flat masters over %d groups", len(self._masters),
             len(init_optimizer.param_groups))
@@ -94,12 +92,15 @@ class FP16_Optimizer(GradientFolding):
     def update_master_grads(self) -> None:
         """Add the model's gradients, unscaled, to the masters' `.grad` and zero them; record
         overflow. Runs at most once per backward."""
+        exits.resolve_for(self)
         if self._raw_scaler is None:
             return
+        self._fold(self._raw_scaler, *self._fold_buffers())
+
+    def _fold_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         for bucket in self._buckets:
             bucket.sync_from_params()
-        self._fold(self._raw_scaler, [b.grad for b in self._buckets],
-                   [m.grad for m in self._masters])
+        return [b.grad for b in self._buckets], [m.grad for m in self._masters]
 
     # ---------------------------------------------------------------------------------- step
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -117,7 +118,7 @@ class FP16_Optimizer(GradientFolding):
         return bool(self.found_inf.item())
 
     def _refresh_overflow(self) -> None:
-        if self._involved:
+        if not self.folds_nothing():
             self.found_inf.copy_(self._round_found())
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -154,9 +155,12 @@ class FP16_Optimizer(GradientFolding):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the model's and the masters' gradients (in place: they are flat buffers)."""
+        exits.resolve_for(self)  # the exit still moves the scale (Note [Apex's scale_loss exits])
         for bucket, master in zip(self._buckets, self._masters):
             bucket.zero_grad()
             master.grad.zero_()
+        self._raw_scaler = None
+        self._end_round()
 
     # ------------------------------------------------------------------------- Apex surface
     @property

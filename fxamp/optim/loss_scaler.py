@@ -71,6 +71,7 @@ class LossScaler:
         self._state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
         self._found: Optional[torch.Tensor] = None
         self._round: set[int] = set()
+        self.pending_exit: Optional[tuple] = None  # Note [Apex's scale_loss exits] (exits.py)
         self._update = compiled_update() if compile else update_in_place
         self.scaled_graphs = ScaledGraphs(self)  # Note [A scaled backward awaits its step]
 

@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import (checkpoint, distributed, fused_step, param_checks, param_groups,
-                         scaled_graphs, state_buffers)
+from fxamp.optim import (checkpoint, distributed, exits, fused_step, param_checks,
+                         param_groups, scaled_graphs, state_buffers)
 from fxamp.optim.algorithms import Algorithm
 from fxamp.optim.flat import FlatBucket, flatten_param_groups
 from fxamp.optim.folding import GradientFolding
@@ -62,7 +62,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         check_state_params(self.state_format, self.param_groups, master_weights, owner)
         self._fp32_masters = master_weights and self.state_format.master == "fp32"
         self._fns = fused_step.compiled() if compile else fused_step.eager
-        self._fold_fn = self._fns["fold_grads"]
+        self._init_folding(self._fns["fold_grads"])
         self._unit = LossScaler(1.0, compile=compile)  # for unscale_ without any scaler
         self._buckets = flatten_param_groups(
             self.param_groups, master_weights=self._fp32_masters, owner=owner)
@@ -71,8 +71,6 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         device = next(p for g in self.param_groups for p in g["params"]).device
         self._init_device_state(device)
         self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
-        self._raw_scaler: Optional[LossScaler] = None  # the scale the raw grads carry
-        self._involved: list[LossScaler] = []  # scalers folded into the fp32 grads this step
         self.master_grads = MasterGrads(self._fns["gather_grads"])  # see master_params
         checkpoint.expose_state(self)
 
@@ -162,8 +160,10 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
             scaler, closure = None, scaler  # torch.optim's positional closure
         _check_scaler_arg(scaler, "step")
         param_groups.check_left_out(self)
-        pending = scaler or self._raw_scaler  # the scale the raw gradients carry, if known
-        scaler = pending or self._default_scaler()
+        exits.settle(self)  # Note [Apex's scale_loss exits]
+        exits.take(self)
+        pending = self._raw_scaler or self._unless_exits(scaler)  # the raw grads' scale
+        scaler = pending or self._unless_exits(self._default_scaler())
         if scaler is None:
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "step")
         loss = self._call_closure(closure, scaler)
@@ -175,13 +175,17 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         gathered = self.master_grads.current(self._buckets, scaler)
         if gathered is not None:
             self._step_from_gathered(gathered.scaler or self._unit, gathered.found)
-        elif self._involved:
+        elif not self.folds_nothing():
             self._step_from_folded(pending)
         else:
             self._fused_step([b.grad for b in self._buckets], scaler,
                              check=scaler is not None or self.max_grad_norm is not None)
         self._raw_scaler = None
         return loss
+
+    def _unless_exits(self, scaler: Optional[LossScaler]) -> Optional[LossScaler]:
+        # Gradients folded at scale_loss exits carry no scale any more, and their scaler moved.
+        return None if self._exit_flags else scaler
 
     def _default_scaler(self) -> Optional[LossScaler]:
         return self.loss_scalers[0] if self.loss_scalers else None
@@ -244,26 +248,54 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         if any folded scaler saw an overflow. Each scaler then moves by its own overflow.
         """
         _check_scaler_arg(scaler, "unscale_")
-        if scaler is None and self._raw_scaler is None and self._involved:
+        exits.resolve_for(self)
+        if scaler is None and self._raw_scaler is None and not self.folds_nothing():
             return  # everything since the last backward is folded already
         scaler = scaler or self._raw_scaler or self._default_scaler()
         if scaler is None:
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "unscale_")
             scaler = self._unit
+        self._fold(scaler, *self._fold_buffers())
+
+    def _fold_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         for b in self._buckets:
             if b.acc is None:
                 b.acc = torch.zeros(b.grad.shape, dtype=torch.float32, device=self._device)
             b.sync_from_params()
-        self._fold(scaler, [b.grad for b in self._buckets], [b.acc for b in self._buckets])
+        return [b.grad for b in self._buckets], [b.acc for b in self._buckets]
 
     def fold_pending(self) -> None:
         self.unscale_(self._raw_scaler)
+
+    def agree_exit_flag_(self, flag: torch.Tensor) -> None:
+        if self._group is not None:
+            distributed.agree_flags_([flag], self._group)
+
+    def unscale_in_place_(self, scaler: Optional[LossScaler] = None) -> None:
+        """`fxamp.optim.unscale_`: settle a pending scale_loss exit, fold what still carries a
+        scale, and move the unscaled sum back into `.grad`; a no-op once done."""
+        _check_scaler_arg(scaler, "unscale_")
+        exits.resolve_for(self)
+        if self._raw_scaler is self._unit:
+            return  # done already, and no backward through scale_loss since
+        carried = self._raw_scaler or self._unless_exits(scaler or self._default_scaler())
+        if carried is not None or self.folds_nothing():
+            self.unscale_(carried)
+        self._unfold()
+
+    def _unfold(self) -> None:
+        # The folded fp32 sum goes back into the raw gradients, which then carry no scale.
+        for b in self._buckets:
+            b.grad.copy_(b.acc)
+            b.acc.zero_()
+        self._raw_scaler = self._unit
 
     def gather_master_grads(self) -> None:
         """Compute the unscaled master gradients that `fxamp.optim.master_params` yields, from
         the raw ones and the scale they carry (Note [Gathered master gradients])."""
         param_groups.check_left_out(self)
-        scaler = self._raw_scaler or self._default_scaler()
+        exits.settle(self)
+        scaler = self._raw_scaler or self._unless_exits(self._default_scaler())
         if scaler is None:
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "master_params")
         for bucket in self._buckets:
@@ -298,11 +330,15 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
     # ------------------------------------------------------------------------------ plumbing
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradients in place; `set_to_none` is accepted and ignored, because the
-        `.grad` views must stay in the flat buffer."""
+        `.grad` views must stay in the flat buffer. A scale_loss exit whose gradients no step
+        took still moves the scale, as in Apex (Note [Apex's scale_loss exits])."""
+        exits.resolve_for(self)
         for bucket in self._buckets:
             bucket.zero_grad()
         self.master_grads.drop()
         scaled_graphs.release_pending(self)
+        self._raw_scaler = None
+        self._end_round()
 
     def _flat_params(self) -> list[torch.Tensor]:
         return [p for b in self._buckets for p in b.params]

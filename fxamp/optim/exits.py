@@ -1,0 +1,82 @@
+"""Apex's `scale_loss` exits: each call's gradients are unscaled by the scale its loss was
+multiplied by, checked on their own, and move the scale, without a host read.
+
+# Note [Apex's scale_loss exits]
+Apex unscaled at every `scale_loss` exit: the gradients of that backward, divided by the scale
+of that loss, were checked for inf/nan, `update_scale` moved the scale, and on overflow the next
+`step()` of every optimizer passed to that call was a skip. So with one scaler shared by several
+optimizers and several losses (Apex's default `num_losses=1`) each optimizer unscales by the
+scale its gradients were made with, the next loss is scaled by the scale the last exit left, and
+an overflow in a loss over `[opt0]` skips opt0 only, while an overflow anywhere in a loss over
+`[opt0, opt1]` skips both.
+
+fxamp keeps that rule but not its cost in the common loop. An exit is recorded on the scaler
+(`LossScaler.pending_exit`: the optimizers of the call) and *resolved* before anything can tell
+the difference: before the scaler scales another loss (the scale must be the one the exit left),
+before another backward reaches the optimizers' gradients (the next `scale_loss` entry), and at
+their `step`, `zero_grad`, `unscale_` or `master_params`. Resolving folds each optimizer's raw
+gradients, divided by the scale they carry, into its fp32 buffer (`fused_step.fold_grads`, one
+pass, no host read) and ORs their overflow into one device flag per exit; the scaler moves by
+that flag (`LossScaler.update`, on the device) and every optimizer of the call keeps the flag:
+its step ORs all its exits' flags into the skip (a select inside the compiled step). When the
+only thing left is one optimizer stepping the one exit it alone was in, with nothing folded (one
+loss, one optimizer: the usual loop), its fused step *is* the resolution: the prologue checks,
+unscales by the live scale (unchanged since the exit) and moves the scale, in one graph.
+`delay_unscale=True` records no exit: the gradients keep their scale, as in Apex, for the next
+exit (or step) to take.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+__all__ = ["close", "resolve", "resolve_for", "settle", "take"]
+
+
+def close(scaler: Any, optimizers: tuple) -> None:
+    """A scale_loss exit: the optimizers' raw gradients now carry `scaler`'s scale."""
+    for opt in optimizers:
+        opt.after_backward(scaler)
+    scaler.pending_exit = optimizers
+
+
+def resolve(scaler: Any) -> Optional[torch.Tensor]:
+    """Fold the pending exit's gradients, flag their overflow and move the scale by it."""
+    optimizers = scaler.pending_exit
+    if not optimizers:
+        return None
+    scaler.pending_exit = None
+    flag = torch.zeros((), dtype=torch.bool, device=optimizers[0]._device)
+    for opt in optimizers:
+        opt.fold_exit(scaler, flag)
+    for opt in optimizers:
+        opt.agree_exit_flag_(flag)
+    scaler.update(flag)
+    return flag
+
+
+def _exit_of(opt: Any) -> Optional[tuple]:
+    scaler = opt._raw_scaler
+    exit_ = None if scaler is None else getattr(scaler, "pending_exit", None)
+    return exit_ if exit_ and any(o is opt for o in exit_) else None
+
+
+def resolve_for(opt: Any) -> None:
+    """Resolve the exit `opt`'s raw gradients wait in, if any."""
+    if _exit_of(opt) is not None:
+        resolve(opt._raw_scaler)
+
+
+def settle(opt: Any) -> None:
+    """Before `opt` steps: resolve its exit unless its fused step can take it whole."""
+    exit_ = _exit_of(opt)
+    if exit_ is not None and not (len(exit_) == 1 and opt.folds_nothing()):
+        resolve(opt._raw_scaler)
+
+
+def take(opt: Any) -> None:
+    """`opt`'s step checks, unscales and moves the scale of the exit it alone was in."""
+    if _exit_of(opt) is not None:
+        opt._raw_scaler.pending_exit = None
