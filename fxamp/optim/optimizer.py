@@ -139,6 +139,17 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         param_groups.add_buckets(self, index)
 
     @property
+    def step_counts(self) -> torch.Tensor:
+        """The step count of each param group, one device tensor (each parameter's "step" in
+        `state` and the state dict is a view of its group's entry)."""
+        return self._step_count
+
+    @property
+    def bucket_states(self) -> list[state_buffers.BucketState]:
+        """The optimizer states of each bucket, in `buckets` order."""
+        return self._bucket_states
+
+    @property
     def buckets(self) -> list[Bucket]:
         """The flat buffers, one per (param group, dtype)."""
         return self._buckets
