@@ -17,7 +17,8 @@ from fxamp.errors import ConfigError
 from fxamp.optim import (checkpoint, distributed, exits, fused_step, param_checks,
                          param_groups, scaled_graphs, state_buffers)
 from fxamp.optim.algorithms import Algorithm
-from fxamp.optim.flat import FlatBucket, flatten_param_groups
+from fxamp.optim.bucket import Bucket
+from fxamp.optim.flat import flatten_param_groups
 from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.master_grads import MasterGrads
@@ -51,7 +52,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
                  compile: bool = True, process_group: Any = distributed.AUTO,
                  state_format: Any = None) -> None:
-        self._buckets: Optional[list[FlatBucket]] = None
+        self._buckets: Optional[list[Bucket]] = None
         owner = type(self).__name__
         super().__init__(param_checks.as_param_list(params, owner), defaults)
         param_checks.check_has_params(self.param_groups, owner)
@@ -102,7 +103,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._aux = [self.algorithm.aux(b) for b in self._buckets]
         self._device = device
 
-    def _new_states(self, bucket: FlatBucket) -> state_buffers.BucketState:
+    def _new_states(self, bucket: Bucket) -> state_buffers.BucketState:
         keys = self.algorithm.state_keys
         if not self.algorithm.has_state(self.param_groups[bucket.group_index]):
             keys = ()
@@ -138,7 +139,18 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         param_groups.add_buckets(self, index)
 
     @property
-    def buckets(self) -> list[FlatBucket]:
+    def step_counts(self) -> torch.Tensor:
+        """The step count of each param group, one device tensor (each parameter's "step" in
+        `state` and the state dict is a view of its group's entry)."""
+        return self._step_count
+
+    @property
+    def bucket_states(self) -> list[state_buffers.BucketState]:
+        """The optimizer states of each bucket, in `buckets` order."""
+        return self._bucket_states
+
+    @property
+    def buckets(self) -> list[Bucket]:
         """The flat buffers, one per (param group, dtype)."""
         return self._buckets
 
