@@ -63,7 +63,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         check_state_params(self.state_format, self.param_groups, master_weights, owner)
         self._fp32_masters = master_weights and self.state_format.master == "fp32"
         self._fns = fused_step.compiled() if compile else fused_step.eager
-        self._init_folding(self._fns["fold_grads"])
+        self._init_folding(self._fns.fold_grads)
         self._unit = LossScaler(1.0, compile=compile)  # for unscale_ without any scaler
         self._buckets = flatten_param_groups(
             self.param_groups, master_weights=self._fp32_masters, owner=owner)
@@ -72,7 +72,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         device = next(p for g in self.param_groups for p in g["params"]).device
         self._init_device_state(device)
         self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
-        self.master_grads = MasterGrads(self._fns["gather_grads"])  # see master_params
+        self.master_grads = MasterGrads(self._fns.gather_grads)  # see master_params
         checkpoint.expose_state(self)
 
     def _init_group(self, process_group: Any) -> None:
@@ -218,16 +218,17 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         state = None if scaler is None else scaler.state_tensors(self._device)
         if scaler is not None:
             scaler.scaled_graphs.mark_done(self)
-        coefs = self._fns["prologue"](
-            grads, self._hyper, self._step_count, self.found_inf, self.grad_norm, state, found_in,
+        coefs = self._fns.prologue(
+            grads, hyper=self._hyper, step=self._step_count, found_out=self.found_inf,
+            norm_out=self.grad_norm, scaler_state=state, found_in=found_in,
             coefs_fn=self.algorithm.coefs, check=check, max_norm=self.max_grad_norm,
             rule=None if scaler is None else scaler.rule, **self._dist_kwargs())
         b = self._buckets
         bs = self._bucket_states
-        self._fns["update"](
-            [s.weights(x) for x, s in zip(b, bs)], grads, [s.states for s in bs],
-            [None if x.master is None else x.param for x in b], coefs,
-            tuple(x.group_index for x in b), self._aux, update_fn=self.algorithm.update,
+        self._fns.update(
+            [s.weights(x) for x, s in zip(b, bs)], grads, states=[s.states for s in bs],
+            models=[None if x.master is None else x.param for x in b], coefs=coefs,
+            groups=tuple(x.group_index for x in b), aux=self._aux, update_fn=self.algorithm.update,
             masters=tuple(s.master for s in bs), seed=self.state_format.seed,
             unsigned=tuple(k in state_buffers.UNSIGNED_STATES for k in self.algorithm.state_keys))
         for bucket in b:
