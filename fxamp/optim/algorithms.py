@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from fxamp.optim.flat import ALIGN, FlatBucket
+from fxamp.optim.bucket import ALIGN, Bucket
 
 __all__ = ["Algorithm", "ADAM", "ADAMW", "SGD", "LAMB", "tensor_norms", "per_element",
            "chunk_owners"]
@@ -44,7 +44,7 @@ class Algorithm:
     state_keys: tuple[str, ...]
     coefs: Callable[[Tensor, Tensor], Tensor]
     update: Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
-    aux: Callable[[FlatBucket], tuple[Any, ...]] = lambda bucket: ()
+    aux: Callable[[Bucket], tuple[Any, ...]] = lambda bucket: ()
     has_state: Callable[[dict], bool] = lambda group: True
     per_tensor_norms: bool = False
 
@@ -128,7 +128,7 @@ def _lamb_coefs(hyper: Tensor, step: Tensor) -> Tensor:
 def lamb_update(w: Tensor, g: Tensor, states, c: Tensor, owner: Tensor, n_params: int):
     """Apex FusedLAMB (adam_w_mode): Adam direction plus decay, scaled per parameter tensor by
     ||w|| / ||u||. The per-tensor norms come from sums over ALIGN-element chunks, which never
-    straddle two parameters (see flat.ALIGN), then one index_add over the chunks."""
+    straddle two parameters (see bucket.ALIGN), then one index_add over the chunks."""
     m, v = states
     m = m * c[1] + c[2] * g
     v = v * c[3] + c[9] * (g * g)
@@ -141,7 +141,7 @@ def lamb_update(w: Tensor, g: Tensor, states, c: Tensor, owner: Tensor, n_params
 
 def tensor_norms(x: Tensor, owner: Tensor, n_params: int) -> Tensor:
     """The L2 norm of each parameter's slice of the flat `x`: sums over ALIGN-element chunks,
-    which never straddle two parameters (see flat.ALIGN), then one index_add over them."""
+    which never straddle two parameters (see bucket.ALIGN), then one index_add over them."""
     return x.new_zeros(n_params).index_add(0, owner, x.view(-1, ALIGN).square().sum(1)).sqrt()
 
 
@@ -150,7 +150,7 @@ def per_element(per_param: Tensor, owner: Tensor, x: Tensor) -> Tensor:
     return (per_param[owner][:, None] * x.view(-1, ALIGN)).view(-1)
 
 
-def chunk_owners(bucket: FlatBucket) -> tuple[Tensor, int]:
+def chunk_owners(bucket: Bucket) -> tuple[Tensor, int]:
     """Which parameter each ALIGN-element chunk of the bucket belongs to, and how many there
     are: the constants `tensor_norms` needs (LAMB's and LARC's aux)."""
     owner = torch.empty(bucket.param.numel() // ALIGN, dtype=torch.long)

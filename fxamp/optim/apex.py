@@ -14,6 +14,7 @@ from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.optim.convert import fused_class, to_fused
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
+from fxamp.optim.larc import apply_larc
 from fxamp.optim.fp16_optimizer import _check_inner as check_wrappable
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.master_grads import master_params_of
@@ -139,6 +140,8 @@ def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossSc
     native = fused_class(opt)
     if native is not None:
         new = to_fused(opt, native, master_weights=master_weights, compile=compile)
+        if getattr(opt, "larc", None) is not None:  # an fxamp optimizer LARC applied to
+            apply_larc(new, opt.larc)
         if _has_state(opt):
             log.warning("%s already has state; initialize starts the converted optimizer "
                         "afresh (load its state_dict afterwards to keep it)", type(opt).__name__)
@@ -154,7 +157,7 @@ def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossSc
 
 def _has_state(opt: torch.optim.Optimizer) -> bool:
     if isinstance(opt, FusedOptimizer):
-        return bool(opt._step_count.any())
+        return bool(opt.step_counts.any())
     return bool(opt.state)
 
 

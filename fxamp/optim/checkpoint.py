@@ -10,7 +10,7 @@ live buffers, so the flat views and the compiled step stay valid.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, Sequence
 
 import torch
 
@@ -19,8 +19,6 @@ from fxamp.errors import ConfigError
 from fxamp.optim import param_checks
 from fxamp.optim.codecs import BLOCK
 
-if TYPE_CHECKING:
-    from fxamp.optim.optimizer import FusedOptimizer
 
 __all__ = ["expose_state", "state_dict", "load_state_dict"]
 
@@ -28,16 +26,33 @@ log = logging.getLogger(__name__)
 _CODES = {torch.int8, torch.uint8}
 
 
-def expose_state(opt: "FusedOptimizer") -> None:
+class Checkpointable(Protocol):
+    """The public interface of a fused optimizer that its checkpoints are made from."""
+
+    param_groups: list[dict[str, Any]]
+    state: Any  # torch.optim's per-parameter state, filled by expose_state
+    algorithm: Any  # its `state_keys` name the states
+
+    @property
+    def buckets(self) -> Sequence[Any]: ...
+
+    @property
+    def bucket_states(self) -> Sequence[Any]: ...
+
+    @property
+    def step_counts(self) -> torch.Tensor: ...
+
+
+def expose_state(opt: "Checkpointable") -> None:
     """Fill `opt.state[p]` with per-parameter views of the flat state buffers."""
-    for bucket, held in zip(opt.buckets, opt._bucket_states):
+    for bucket, held in zip(opt.buckets, opt.bucket_states):
         per_key = _state_views(bucket, held, opt.algorithm.state_keys)
         if bucket.master is not None:
             per_key.append(("master_param", bucket.views(bucket.master)))
         if held.correction is not None:
             per_key.append(("master_correction", bucket.views(held.correction)))
         for i, p in enumerate(bucket.params):
-            entry: dict[str, Any] = {"step": opt._step_count[bucket.group_index]}
+            entry: dict[str, Any] = {"step": opt.step_counts[bucket.group_index]}
             entry.update((k, views[i]) for k, views in per_key)
             opt.state[p] = entry
 
@@ -61,7 +76,7 @@ def _local_numels(bucket) -> list[int]:
     return [p.numel() for p in bucket.params]
 
 
-def _param_ids(opt: "FusedOptimizer") -> dict[int, int]:
+def _param_ids(opt: "Checkpointable") -> dict[int, int]:
     # torch.optim numbers parameters in param_groups order.
     ids: dict[int, int] = {}
     for group in opt.param_groups:
@@ -70,7 +85,7 @@ def _param_ids(opt: "FusedOptimizer") -> dict[int, int]:
     return ids
 
 
-def state_dict(opt: "FusedOptimizer") -> dict[str, Any]:
+def state_dict(opt: "Checkpointable") -> dict[str, Any]:
     ids = _param_ids(opt)
     groups = []
     for group in opt.param_groups:
@@ -83,7 +98,7 @@ def state_dict(opt: "FusedOptimizer") -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def load_state_dict(opt: "FusedOptimizer", sd: dict[str, Any]) -> None:
+def load_state_dict(opt: "Checkpointable", sd: dict[str, Any]) -> None:
     """Check the whole dict against `opt` first, then copy it in (nothing changes on a refusal)."""
     if not isinstance(sd, dict) or "param_groups" not in sd or "state" not in sd:
         keys = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
@@ -101,13 +116,13 @@ def load_state_dict(opt: "FusedOptimizer", sd: dict[str, Any]) -> None:
             loaded |= _load_entry(live, entry, param)
         if loaded and not saw_step:
             # torch's SGD keeps no step; a loaded momentum buffer means the first step is past.
-            opt._step_count.clamp_(min=1)
+            opt.step_counts.clamp_(min=1)
     for bucket in opt.buckets:
         bucket.mark_params_synced()
     log.debug("%s: loaded state for %d parameters", type(opt).__name__, len(sd["state"]))
 
 
-def _checked_entries(opt: "FusedOptimizer", state: Any, params: list) -> list[tuple]:
+def _checked_entries(opt: "Checkpointable", state: Any, params: list) -> list[tuple]:
     """(live state, saved entry, parameter) per saved entry, every index, shape and step
     checked; entries of frozen parameters (not flattened, no state) are left out."""
     if not isinstance(state, dict):
@@ -161,7 +176,7 @@ def _load_entry(live: dict[str, Any], entry: dict[str, Any], param: torch.Tensor
     return any(k != "step" for k in entry)
 
 
-def _check_groups(opt: "FusedOptimizer", saved_groups: Any) -> None:
+def _check_groups(opt: "Checkpointable", saved_groups: Any) -> None:
     owner = type(opt).__name__
     if not isinstance(saved_groups, (list, tuple)) or len(saved_groups) != len(opt.param_groups):
         count = len(saved_groups) if isinstance(saved_groups, (list, tuple)) else "no list of"

@@ -34,14 +34,9 @@ def fused_class(opt: torch.optim.Optimizer) -> Optional[type]:
 def to_fused(opt: torch.optim.Optimizer, cls: type, *, master_weights: bool,
              compile: bool) -> FusedOptimizer:
     """A new `cls` over `opt`'s param groups (its state is not carried over); an fxamp
-    optimizer keeps its `max_grad_norm` and its LARC settings."""
+    optimizer keeps its `max_grad_norm` (initialize carries its LARC settings over)."""
     groups = [{k: v for k, v in g.items() if k not in _DROPPED_KEYS} for g in opt.param_groups]
     extra: dict[str, Any] = {}
     if isinstance(opt, FusedOptimizer):
         extra["max_grad_norm"] = opt.max_grad_norm
-    new = cls(groups, master_weights=master_weights, compile=compile, **extra)
-    if getattr(opt, "larc", None) is not None:
-        from fxamp.optim.larc import apply_larc  # larc builds on this module
-
-        apply_larc(new, opt.larc)
-    return new
+    return cls(groups, master_weights=master_weights, compile=compile, **extra)

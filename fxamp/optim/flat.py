@@ -22,28 +22,18 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from fxamp.errors import ConfigError
+from fxamp.optim.bucket import Bucket, layout, refresh_master
 from fxamp.optim.distributed import is_dtensor
+from fxamp.optim.sharded import ShardedBucket
 from fxamp.policy import LOW_DTYPES
 
 __all__ = ["FlatBucket", "flatten_param_groups", "flatten_group", "check_group_params",
-           "refresh_master", "ALIGN"]
+           "make_bucket"]
 
 log = logging.getLogger(__name__)
 
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-# Each parameter starts on a multiple of ALIGN elements: aligned vector loads for the model's own
-# kernels, and whole chunks of ALIGN for LAMB's per-parameter norms.
-ALIGN = 64
-
-
-@torch.no_grad()
-def refresh_master(master: torch.Tensor, param: torch.Tensor) -> None:
-    """Take a parameter written outside the optimizer into its fp32 master, keeping the precise
-    master wherever the parameter still equals its rounding."""
-    master.copy_(torch.where(master.to(param.dtype) == param, master, param.float()))
-
-
-class FlatBucket:
+class FlatBucket(Bucket):
     """The parameters of one param group that share a dtype, flattened.
 
     Attributes:
@@ -55,13 +45,13 @@ class FlatBucket:
         master: flat fp32 copy of `param` for 16-bit parameters with master weights, else None.
     """
 
-    sharded = False  # see sharded.ShardedBucket
+    sharded = False
 
     def __init__(self, group_index: int, params: Sequence[torch.nn.Parameter], *,
                  master_weights: bool) -> None:
         self.group_index = group_index
         self.params = list(params)
-        self.offsets, numel = _layout(self.params)
+        self.offsets, numel = layout(self.params)
         ref = self.params[0]
         self.param = torch.zeros(numel, dtype=ref.dtype, device=ref.device)
         self.grad = torch.zeros_like(self.param)
@@ -80,18 +70,9 @@ class FlatBucket:
         self.acc: Optional[torch.Tensor] = None  # fp32 unscaled gradients, see Optimizer.unscale_
         self._warned_foreign = False
 
-    @property
-    def weights(self) -> torch.Tensor:
-        """The tensor the update reads and writes: the fp32 master, or the parameters."""
-        return self.param if self.master is None else self.master
-
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
         return flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views of a flat tensor with this bucket's layout."""
-        return [self.view(flat, i) for i in range(len(self.params))]
 
     def zero_grad(self) -> None:
         self.grad.zero_()
@@ -143,21 +124,9 @@ class FlatBucket:
         """Record that the masters now match the parameters (after loading both)."""
         self.versions = [p._version for p in self.params]
 
-    def state_like(self) -> torch.Tensor:
-        """A zeroed flat state buffer (optimizer moments) laid out like the weights."""
-        return torch.zeros_like(self.weights)
-
-
-def _layout(params: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    offsets, pos = [], 0
-    for p in params:
-        offsets.append(pos)
-        pos += -(-p.numel() // ALIGN) * ALIGN
-    return offsets, max(pos, ALIGN)
-
 
 def flatten_param_groups(param_groups: Sequence[dict], *, master_weights: bool,
-                         owner: str) -> list[FlatBucket]:
+                         owner: str) -> list[Bucket]:
     """One FlatBucket per (group, dtype), after checking every parameter can be flattened.
 
     Raises:
@@ -186,23 +155,23 @@ def check_group_params(group: dict, gi: int, owner: str,
                               "device")
 
 
-def flatten_group(gi: int, group: dict, *, master_weights: bool) -> list[FlatBucket]:
+def flatten_group(gi: int, group: dict, *, master_weights: bool) -> list[Bucket]:
     """The buckets of param group `gi` (checked already): one per dtype of its parameters
     with `requires_grad`, in the order the dtypes first appear."""
     by_kind: dict[tuple[torch.dtype, bool], list[torch.nn.Parameter]] = {}
     for p in group["params"]:
         if p.requires_grad:
             by_kind.setdefault((p.dtype, is_dtensor(p)), []).append(p)
-    return [(_sharded_bucket() if dtensor else FlatBucket)(gi, params,
-                                                            master_weights=master_weights)
+    return [make_bucket(gi, params, master_weights=master_weights, sharded=dtensor)
             for (_, dtensor), params in by_kind.items()]
 
 
-def _sharded_bucket() -> type:
-    # Imported here: ShardedBucket subclasses FlatBucket.
-    from fxamp.optim.sharded import ShardedBucket
-
-    return ShardedBucket
+def make_bucket(group_index: int, params: Sequence[torch.nn.Parameter], *,
+                master_weights: bool, sharded: bool) -> Bucket:
+    """The Bucket for one (param group, dtype): a FlatBucket, or a ShardedBucket for DTensor
+    parameters (Note [Flat buffers beside FSDP2's shards])."""
+    kind = ShardedBucket if sharded else FlatBucket
+    return kind(group_index, params, master_weights=master_weights)
 
 
 def _check_param(p: torch.Tensor, gi: int, pi: int, owner: str) -> None:

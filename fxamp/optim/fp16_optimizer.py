@@ -63,7 +63,7 @@ class FP16_Optimizer(GradientFolding):
         self._device = self._masters[0].device if self._masters else torch.device("cpu")
         self.found_inf = torch.zeros((), dtype=torch.bool, device=self._device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
-        self._init_folding((fused_step.compiled() if compile else fused_step.eager)["fold_grads"])
+        self._init_folding((fused_step.compiled() if compile else fused_step.eager).fold_grads)
         (log.info if verbose else log.debug)(
             "FP16_Optimizer: %d flat masters over %d groups", len(self._masters),
             len(init_optimizer.param_groups))

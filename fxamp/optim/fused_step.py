@@ -37,6 +37,7 @@ still recompiles per structure, so it does not remove the limit.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -45,7 +46,8 @@ from fxamp._compat import compile_fresh
 from fxamp.optim import codecs, distributed
 from fxamp.optim.scale_rule import ScaleRule, next_scale_state, scale_is_valid
 
-__all__ = ["prologue", "update", "fold_grads", "gather_grads", "inverse", "compiled", "eager"]
+__all__ = ["prologue", "update", "fold_grads", "gather_grads", "inverse", "compiled", "eager",
+           "StepFns"]
 
 Tensor = torch.Tensor
 # Columns the prologue appends to every group's row of scalars.
@@ -176,11 +178,23 @@ def inverse(scale: Tensor) -> Tensor:
 _STEP_FNS = (prologue, update, fold_grads, gather_grads)
 
 
-def compiled() -> dict[str, Callable]:
+@dataclasses.dataclass(frozen=True)
+class StepFns:
+    """The step's functions for one optimizer, by name: compiled (`compiled()`) or plain
+    (`eager`)."""
+
+    prologue: Callable[..., Tensor]
+    update: Callable[..., None]
+    fold_grads: Callable[..., None]
+    gather_grads: Callable[..., None]
+
+
+def compiled() -> StepFns:
     """`prologue`, `update`, `fold_grads` and `gather_grads` compiled for one optimizer, with
     Dynamo caches of their own (Note [One compiled step per optimizer]); each compiles when it
     is first called."""
-    return {fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False) for fn in _STEP_FNS}
+    return StepFns(**{fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False)
+                      for fn in _STEP_FNS})
 
 
-eager = {fn.__name__: fn for fn in _STEP_FNS}
+eager = StepFns(**{fn.__name__: fn for fn in _STEP_FNS})

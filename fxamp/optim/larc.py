@@ -24,7 +24,7 @@ from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.optim.algorithms import Algorithm, chunk_owners, per_element, tensor_norms
 from fxamp.optim.convert import fused_class, to_fused
-from fxamp.optim.flat import FlatBucket
+from fxamp.optim.bucket import Bucket
 from fxamp.optim.optimizer import FusedOptimizer
 
 __all__ = ["LARC", "LARCSettings", "apply_larc", "larc_algorithm"]
@@ -125,5 +125,5 @@ def _update(w: Tensor, g: Tensor, states, c: Tensor, owner: Tensor, n_params: in
     return inner(w, g, states, c[2:], *inner_aux)
 
 
-def _aux(bucket: FlatBucket, *, inner) -> tuple[Any, ...]:
+def _aux(bucket: Bucket, *, inner) -> tuple[Any, ...]:
     return (*chunk_owners(bucket), *inner(bucket))

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 
 from fxamp.optim import fused_step
-from fxamp.optim.flat import FlatBucket
+from fxamp.optim.bucket import Bucket
 from fxamp.optim.loss_scaler import LossScaler
 
 __all__ = ["MasterGrads"]
@@ -52,7 +52,7 @@ class MasterGrads:
         self.buffers: list[torch.Tensor] = []  # one per bucket, kept for the next gathering
         self._gathered: Optional[_Gathered] = None
 
-    def gather(self, buckets: Sequence[FlatBucket], scaler: Optional[LossScaler],
+    def gather(self, buckets: Sequence[Bucket], scaler: Optional[LossScaler],
                unit: LossScaler, device: torch.device) -> None:
         """Compute the master gradients from the raw ones, unless they are still current."""
         if self.current(buckets, scaler) is not None:
@@ -65,7 +65,7 @@ class MasterGrads:
                         inv_scale, found)
         self._gathered = _Gathered(scaler, found, _versions(buckets))
 
-    def current(self, buckets: Sequence[FlatBucket],
+    def current(self, buckets: Sequence[Bucket],
                 scaler: Optional[LossScaler]) -> Optional[_Gathered]:
         """The gathering if the raw gradients and the scaler are still those it saw, else None
         (and a stale one is dropped)."""
@@ -83,11 +83,11 @@ class MasterGrads:
     def drop(self) -> None:
         self._gathered = None
 
-    def views(self, bucket_index: int, bucket: FlatBucket) -> list[torch.Tensor]:
+    def views(self, bucket_index: int, bucket: Bucket) -> list[torch.Tensor]:
         return bucket.views(self.buffers[bucket_index])
 
 
-def _versions(buckets: Sequence[FlatBucket]) -> list[int]:
+def _versions(buckets: Sequence[Bucket]) -> list[int]:
     return [b.grad._version for b in buckets]
 
 

@@ -17,7 +17,8 @@ from fxamp.errors import ConfigError
 from fxamp.optim import (checkpoint, distributed, exits, fused_step, param_checks,
                          param_groups, scaled_graphs, state_buffers)
 from fxamp.optim.algorithms import Algorithm
-from fxamp.optim.flat import FlatBucket, flatten_param_groups
+from fxamp.optim.bucket import Bucket
+from fxamp.optim.flat import flatten_param_groups
 from fxamp.optim.folding import GradientFolding
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.master_grads import MasterGrads
@@ -51,7 +52,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
                  compile: bool = True, process_group: Any = distributed.AUTO,
                  state_format: Any = None) -> None:
-        self._buckets: Optional[list[FlatBucket]] = None
+        self._buckets: Optional[list[Bucket]] = None
         owner = type(self).__name__
         super().__init__(param_checks.as_param_list(params, owner), defaults)
         param_checks.check_has_params(self.param_groups, owner)
@@ -62,7 +63,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         check_state_params(self.state_format, self.param_groups, master_weights, owner)
         self._fp32_masters = master_weights and self.state_format.master == "fp32"
         self._fns = fused_step.compiled() if compile else fused_step.eager
-        self._init_folding(self._fns["fold_grads"])
+        self._init_folding(self._fns.fold_grads)
         self._unit = LossScaler(1.0, compile=compile)  # for unscale_ without any scaler
         self._buckets = flatten_param_groups(
             self.param_groups, master_weights=self._fp32_masters, owner=owner)
@@ -71,7 +72,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         device = next(p for g in self.param_groups for p in g["params"]).device
         self._init_device_state(device)
         self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
-        self.master_grads = MasterGrads(self._fns["gather_grads"])  # see master_params
+        self.master_grads = MasterGrads(self._fns.gather_grads)  # see master_params
         checkpoint.expose_state(self)
 
     def _init_group(self, process_group: Any) -> None:
@@ -102,7 +103,7 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._aux = [self.algorithm.aux(b) for b in self._buckets]
         self._device = device
 
-    def _new_states(self, bucket: FlatBucket) -> state_buffers.BucketState:
+    def _new_states(self, bucket: Bucket) -> state_buffers.BucketState:
         keys = self.algorithm.state_keys
         if not self.algorithm.has_state(self.param_groups[bucket.group_index]):
             keys = ()
@@ -138,7 +139,18 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         param_groups.add_buckets(self, index)
 
     @property
-    def buckets(self) -> list[FlatBucket]:
+    def step_counts(self) -> torch.Tensor:
+        """The step count of each param group, one device tensor (each parameter's "step" in
+        `state` and the state dict is a view of its group's entry)."""
+        return self._step_count
+
+    @property
+    def bucket_states(self) -> list[state_buffers.BucketState]:
+        """The optimizer states of each bucket, in `buckets` order."""
+        return self._bucket_states
+
+    @property
+    def buckets(self) -> list[Bucket]:
         """The flat buffers, one per (param group, dtype)."""
         return self._buckets
 
@@ -206,16 +218,17 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         state = None if scaler is None else scaler.state_tensors(self._device)
         if scaler is not None:
             scaler.scaled_graphs.mark_done(self)
-        coefs = self._fns["prologue"](
-            grads, self._hyper, self._step_count, self.found_inf, self.grad_norm, state, found_in,
+        coefs = self._fns.prologue(
+            grads, hyper=self._hyper, step=self._step_count, found_out=self.found_inf,
+            norm_out=self.grad_norm, scaler_state=state, found_in=found_in,
             coefs_fn=self.algorithm.coefs, check=check, max_norm=self.max_grad_norm,
             rule=None if scaler is None else scaler.rule, **self._dist_kwargs())
         b = self._buckets
         bs = self._bucket_states
-        self._fns["update"](
-            [s.weights(x) for x, s in zip(b, bs)], grads, [s.states for s in bs],
-            [None if x.master is None else x.param for x in b], coefs,
-            tuple(x.group_index for x in b), self._aux, update_fn=self.algorithm.update,
+        self._fns.update(
+            [s.weights(x) for x, s in zip(b, bs)], grads, states=[s.states for s in bs],
+            models=[None if x.master is None else x.param for x in b], coefs=coefs,
+            groups=tuple(x.group_index for x in b), aux=self._aux, update_fn=self.algorithm.update,
             masters=tuple(s.master for s in bs), seed=self.state_format.seed,
             unsigned=tuple(k in state_buffers.UNSIGNED_STATES for k in self.algorithm.state_keys))
         for bucket in b:

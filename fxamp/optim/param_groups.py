@@ -17,7 +17,8 @@ import torch
 
 from fxamp.errors import ConfigError
 from fxamp.optim import checkpoint
-from fxamp.optim.flat import FlatBucket, flatten_group
+from fxamp.optim.bucket import Bucket
+from fxamp.optim.flat import flatten_group
 
 if TYPE_CHECKING:
     from fxamp.optim.optimizer import FusedOptimizer
@@ -50,7 +51,7 @@ def add_buckets(opt: "FusedOptimizer", gi: int) -> None:
     log.debug("%s: param group %d added with %d buckets", type(opt).__name__, gi, len(new))
 
 
-def left_out(groups: list[dict], buckets: list[FlatBucket]) -> list[tuple]:
+def left_out(groups: list[dict], buckets: list[Bucket]) -> list[tuple]:
     """(group index, position, parameter) of each parameter no bucket holds."""
     held = {id(p) for b in buckets for p in b.params}
     return [(gi, pi, p) for gi, g in enumerate(groups) for pi, p in enumerate(g["params"])

@@ -23,7 +23,7 @@ from typing import Sequence
 import torch
 
 from fxamp._compat import foreach_add_, foreach_copy_
-from fxamp.optim.flat import FlatBucket, _layout, refresh_master
+from fxamp.optim.bucket import Bucket, layout, refresh_master
 from fxamp.policy import LOW_DTYPES
 
 __all__ = ["ShardedBucket"]
@@ -31,10 +31,10 @@ __all__ = ["ShardedBucket"]
 log = logging.getLogger(__name__)
 
 
-class ShardedBucket(FlatBucket):
+class ShardedBucket(Bucket):
     """The DTensor parameters of one param group that share a dtype, their local shards flat.
 
-    Attributes as FlatBucket's, except that `param` is a copy of the local shards (written back
+    Attributes as Bucket's, except that `param` is a copy of the local shards (written back
     by `write_back` after each step) and `offsets` index the local shards.
     """
 
@@ -45,7 +45,7 @@ class ShardedBucket(FlatBucket):
         self.group_index = group_index
         self.params = list(params)
         local = self._locals()
-        self.offsets, numel = _layout(local)
+        self.offsets, numel = layout(local)
         self.param = torch.zeros(numel, dtype=local[0].dtype, device=local[0].device)
         self.grad = torch.zeros_like(self.param)
         self.grad_views = [self.local_view(self.grad, i) for i in range(len(local))]

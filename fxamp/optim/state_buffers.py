@@ -8,7 +8,7 @@ import torch
 
 from fxamp.optim import codecs
 from fxamp.optim.algorithms import Algorithm
-from fxamp.optim.flat import FlatBucket
+from fxamp.optim.bucket import Bucket
 from fxamp.optim.state_format import StateFormat
 
 __all__ = ["UNSIGNED_STATES", "BucketState", "allocate"]
@@ -27,7 +27,7 @@ class BucketState:
         states: per state key, a tuple of buffers (one; or int8 codes and bf16 scales).
     """
 
-    def __init__(self, bucket: FlatBucket, fmt: StateFormat, keys: Sequence[str]) -> None:
+    def __init__(self, bucket: Bucket, fmt: StateFormat, keys: Sequence[str]) -> None:
         own = bucket.master is None and bucket.param.dtype == torch.bfloat16
         self.master = fmt.master if own else "fp32"
         self.correction: Optional[torch.Tensor] = codecs.new_correction(bucket.param,
@@ -39,12 +39,12 @@ class BucketState:
         self.states = tuple(codecs.new_state(numel, fmt.moments, k in UNSIGNED_STATES, device,
                                              full) for k in keys)
 
-    def weights(self, bucket: FlatBucket) -> tuple[torch.Tensor, ...]:
+    def weights(self, bucket: Bucket) -> tuple[torch.Tensor, ...]:
         """The buffers `update` decodes into fp32 weights."""
         return (bucket.weights,) + (() if self.correction is None else (self.correction,))
 
 
-def allocate(buckets: Sequence[FlatBucket], fmt: StateFormat, algorithm: Algorithm,
+def allocate(buckets: Sequence[Bucket], fmt: StateFormat, algorithm: Algorithm,
              param_groups: Sequence[dict]) -> list[BucketState]:
     return [BucketState(b, fmt, algorithm.state_keys
                         if algorithm.has_state(param_groups[b.group_index]) else ())
