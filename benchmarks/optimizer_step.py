@@ -11,7 +11,10 @@ For each size it times, in one process, one optimizer step of:
   eager O2      torch's way to O2: GradScaler's check pass + fused AdamW on fp32 masters + the
                 copy to the 16-bit model
   fxamp NAME    O2 with a bf16 model: fxamp with state_format NAME (low_memory, compensated,
-                stochastic+int8; docs/optimizer.md)
+                stochastic+int8; docs/optimizer_memory.md)
+  torchao AdamW8bit  O2: torchao's 8-bit AdamW on the 16-bit model (stochastic rounding for
+                bf16), where torchao imports (bitsandbytes, flashoptim, torch-optimi: the
+                header says whether they import; they are not timed)
 and prints the bytes each method keeps per parameter between steps (model, gradients, masters,
 optimizer state: the distinct storages behind them), ms per step, effective GB/s at the bytes
 each parameter must move (28: an fp32 Adam step, or a 16-bit model with fp32 masters, moments
@@ -150,6 +153,40 @@ def build_torch_o2(shape_list, device, dtype):
     return Built(step, _kept(opt, model, [p.grad.to(dtype) for p in masters]))
 
 
+def build_torchao_8bit(shape_list, device, dtype):
+    """torchao's AdamW8bit on the 16-bit model itself (bf16_stochastic_round: no masters), the
+    nearest peer of fxamp's low_memory format; no loss scaling (it has none)."""
+    from torchao.optim import AdamW8bit
+
+    params = _params(shape_list, dtype, device)
+    opt = AdamW8bit(params, lr=1e-3, weight_decay=0.01,
+                    bf16_stochastic_round=dtype == torch.bfloat16)
+    return Built(opt.step, lambda: _kept(params)() + [p.grad for p in params]
+                 + _torchao_state(opt))
+
+
+def _torchao_state(opt) -> list:
+    # Its 8-bit states are tensor subclasses: count their codes and scales, not the wrapper.
+    out = []
+    for state in opt.state.values():
+        for v in state.values():
+            inner = [getattr(v, k, None) for k in ("codes", "scale", "qmap")]
+            out += [t for t in inner if t is not None] if inner[0] is not None else [v]
+    return out
+
+
+def peers_installed() -> dict[str, bool]:
+    """Which of the issue's peers import here (the others are "not installed here")."""
+    out = {}
+    for name in ("torchao", "bitsandbytes", "flashoptim", "optimi"):
+        try:
+            __import__(name)
+            out[name] = True
+        except Exception:  # absent, or present but unusable with this torch / device
+            out[name] = False
+    return out
+
+
 def build_copy(n: int, device):
     src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
     return lambda: dst.copy_(src)
@@ -208,7 +245,8 @@ def count_kernels(step: Callable, device) -> int:
         "cpp_fused" in e.name or (e.name.startswith("aten::") and e.name not in NO_KERNEL)))
 
 
-# The StateFormats (docs/optimizer.md) timed beside fp32 masters in O2.
+PEERS: dict[str, bool] = {}  # filled by main(): importable peer optimizers
+# The StateFormats (docs/optimizer_memory.md) timed beside fp32 masters in O2.
 LOW_MEMORY_FORMATS = {"low_memory": "low_memory", "compensated": "compensated",
                       "stochastic+int8": fo.StateFormat("stochastic", "int8")}
 
@@ -227,6 +265,8 @@ def methods(mode: str, device, low: torch.dtype, compile: bool = True):
             "fxamp+clip": lambda s: build_fxamp(s, device, low, clip=True, compile=compile),
             "fused+GS": lambda s: build_torch(s, device, fused=True),
             "eager O2": lambda s: build_torch_o2(s, device, low)}
+    if PEERS.get("torchao"):
+        rows["torchao AdamW8bit"] = lambda s: build_torchao_8bit(s, device, low)
     if low == torch.bfloat16:  # the 16-bit master formats need a bf16 model
         for name, fmt in LOW_MEMORY_FORMATS.items():
             rows[f"fxamp {name}"] = lambda s, fmt=fmt: build_fxamp(s, device, low,
@@ -342,7 +382,10 @@ def main(argv=None) -> None:
     header = (f"# fxamp optimizer step, {name}, torch {torch.__version__}, "
               f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (numbers need an idle machine)")
+    PEERS.update(peers_installed())
     print(header)
+    print("peers: " + ", ".join(f"{k} {'installed' if v else 'not installed here'}"
+                                for k, v in PEERS.items()))
     done = []
     with gpu_lock.hold(args.lock, exclusive=True):
         for n_params in (int(float(p)) for p in args.params.split(",")):
