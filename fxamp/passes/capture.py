@@ -9,6 +9,7 @@ autograd] in insert_casts.py). Running Dynamo's graph through an Interpreter und
 
 from __future__ import annotations
 
+import contextlib
 import re
 from typing import Any, Sequence
 
@@ -43,9 +44,45 @@ class _Lower(fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         spec = hop_spec(target)
-        if spec is None:
+        if spec is not None:
+            return _trace_hop(target, spec, args, kwargs)
+        with _mixed_operands_autocast(args, kwargs):
             return super().call_function(target, args, kwargs)
-        return _trace_hop(target, spec, args, kwargs)
+
+
+def _mixed_operands_autocast(args: tuple, kwargs: dict):
+    """Autocast around one traced call whose floating operands mix a 16-bit dtype with fp32.
+
+    Note [Mixed operands trace under autocast]: at O1 Dynamo traces the user's code under the
+    level's autocast (Note [Eager regions run under autocast]), so a 16-bit activation may meet
+    an fp32 weight in an op whose kernel insists on one dtype (`F.conv2d(x.half(), w)`: "Input
+    type and bias type should be the same"). Pre-dispatch tracing records the op above
+    autocast, so the graph is unchanged; only the fake value it computes takes autocast's
+    dtype. The annotate pass then casts the operands per fxamp's policy and recomputes the
+    value from the cast operands, so nothing downstream keeps autocast's choice.
+    """
+    dtypes = {t.dtype for t in pytree.tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor) and t.is_floating_point()}
+    low = dtypes & {torch.float16, torch.bfloat16}
+    if len(dtypes) < 2 or len(low) != 1:
+        return contextlib.nullcontext()
+    device = next(t.device.type for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.dtype in low)
+    return _autocast_state(device, low.pop())
+
+
+@contextlib.contextmanager
+def _autocast_state(device: str, dtype: torch.dtype):
+    # The thread-local switches, not `torch.autocast`: the tracer would record the latter as
+    # the user's own autocast region (Note [The user's autocast wins] in annotate.py).
+    before = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    torch.set_autocast_enabled(device, True)
+    torch.set_autocast_dtype(device, dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device, before[0])
+        torch.set_autocast_dtype(device, before[1])
 
 
 def _trace_hop(target, spec: HopSpec, args: tuple, kwargs: dict) -> Any:
