@@ -55,8 +55,8 @@ def digits_task(steps: int):
         torch.manual_seed(seed)
         return CNN(channels=16).bfloat16()  # BatchNorm too: every parameter is bf16
 
-    def batch(step: int):
-        gen = torch.Generator().manual_seed(step)
+    def batch(step: int, seed: int):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
         idx = torch.randint(0, len(y), (32,), generator=gen)
         return x[idx], y[idx]
 
@@ -100,8 +100,8 @@ def gpt2_task(steps: int):
         starts = torch.randint(0, len(source) - SEQ - 1, (n,), generator=gen)
         return torch.stack([source[s:s + SEQ] for s in starts])
 
-    def batch(step: int):
-        return windows(train, torch.Generator().manual_seed(step), BATCH)
+    def batch(step: int, seed: int):
+        return windows(train, torch.Generator().manual_seed(seed * 1_000_003 + step), BATCH)
 
     def loss_fn(model, ids):
         return model(input_ids=ids, labels=ids).loss.float()
@@ -138,16 +138,17 @@ class Fp32Compute:
                 p32.grad = None
 
 
-def train(task, steps: int, options: dict) -> tuple[list[float], dict]:
+def train(task, steps: int, options: dict, seed: int = 0) -> tuple[list[float], dict]:
+    """One run: initial weights and batches from `seed` (the same for every state format)."""
     build, batch, loss_fn, evaluate, hyper = task
-    model = build(0)
+    model = build(seed)
     opt = fo.AdamW(model.parameters(), **hyper, compile=False, **options)
     run = Fp32Compute(model)
     schedule = torch.optim.lr_scheduler.LambdaLR(  # warm up, then cosine to 10 %
         opt, lambda s: min(1.0, (s + 1) / 50) * (0.55 + 0.45 * math.cos(math.pi * s / steps)))
     losses = []
     for step in range(steps):
-        loss = run.loss(loss_fn, batch(step))
+        loss = run.loss(loss_fn, batch(step, seed))
         loss.backward()
         run.take_grads()
         opt.step()
@@ -158,20 +159,33 @@ def train(task, steps: int, options: dict) -> tuple[list[float], dict]:
     return losses, evaluate(run.twin)
 
 
-def table(name: str, results: dict[str, tuple[list[float], dict]]) -> list[str]:
-    ref_losses, ref_eval = results["default"]
-    ref_final = statistics.mean(ref_losses[-100:])
-    keys = list(ref_eval)
-    lines = [f"\n{name}: {len(ref_losses)} steps",
+def _final(losses: list[float]) -> float:
+    return statistics.mean(losses[-100:])
+
+
+def table(name: str, results: dict[str, list[tuple[list[float], dict]]]) -> list[str]:
+    """One row per run: final train loss and held-out numbers as means over the seeds, and the
+    final loss against the default's of the same seed (mean, and [min, max] over seeds)."""
+    ref = [_final(losses) for losses, _ in results["default"]]
+    keys = list(results["default"][0][1])
+    seeds = len(ref)
+    lines = [f"\n{name}: {len(results['default'][0][0])} steps, {seeds} seed(s)",
              "| run | bytes/param | final train loss | vs default | "
              + " | ".join(keys) + " |", "|---|---:|---:|---:|" + "---:|" * len(keys)]
-    for run, (losses, evals) in results.items():
-        final = statistics.mean(losses[-100:])
+    for run, per_seed in results.items():
+        finals = [_final(losses) for losses, _ in per_seed]
+        rel = [100 * (f / r - 1) for f, r in zip(finals, ref)]
+        spread = f" [{min(rel):+.2f}, {max(rel):+.2f}]" if seeds > 1 else ""
         fmt = RUNS[run].get("state_format", "default")
         fmt = fo.StateFormat.from_preset(fmt) if isinstance(fmt, str) else fmt
         size = 8.0 if run == "no master" else fmt.bytes_per_param()
-        lines.append(f"| {run} | {size:.2f} | {final:.4f} | {100 * (final / ref_final - 1):+.2f} % "
-                     "| " + " | ".join(f"{evals[k]:.4f}" for k in keys) + " |")
+        evals = [statistics.mean(e[k] for _, e in per_seed) for k in keys]
+        lines.append(f"| {run} | {size:.2f} | {statistics.mean(finals):.4f} | "
+                     f"{statistics.mean(rel):+.2f} %{spread} | "
+                     + " | ".join(f"{v:.4f}" for v in evals) + " |")
+    if seeds > 1:
+        lines.append(f"default's final loss over the seeds: {min(ref):.4f} to {max(ref):.4f} "
+                     f"({100 * (max(ref) / min(ref) - 1):.1f} % apart)")
     return lines
 
 
@@ -207,15 +221,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--workloads", default="digits,gpt2")
     parser.add_argument("--steps", type=int, default=None, help="default: 1100 / 1000")
     parser.add_argument("--runs", default=",".join(RUNS))
-    parser.add_argument("--out", default="out/lowmem", help="prefix of the CSV and PNG files")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="runs per format, seeds 0..N-1 (initial weights and batches)")
+    parser.add_argument("--out", default="out/lowmem",
+                        help="prefix of the CSV and PNG files (seed 0's curves)")
     args = parser.parse_args(argv)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     for name in args.workloads.split(","):
         steps = args.steps or (1100 if name == "digits" else 1000)
         task = TASKS[name](steps)
-        results = {run: train(task, steps, RUNS[run]) for run in args.runs.split(",")}
+        results = {run: [train(task, steps, RUNS[run], seed) for seed in range(args.seeds)]
+                   for run in args.runs.split(",")}
         print("\n".join(table(name, results)), flush=True)
-        save(args.out, name, results)
+        save(args.out, name, {run: per_seed[0] for run, per_seed in results.items()})
 
 
 if __name__ == "__main__":

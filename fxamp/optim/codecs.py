@@ -18,6 +18,19 @@ round(255 * sqrt(v) / max sqrt(v)) in uint8. A non-zero v never rounds to code 0
 1): v sits under a square root in a denominator, and a v read back as 0 would turn the update
 into m / eps.
 
+# Note [Rounding v stochastically]
+Adam's v decays by beta2 = 0.999 per step, a change of 1e-3 of itself (5e-4 of its square root).
+No 8- or 16-bit encoding resolves that: a code step of sqrt(v) is 1/255 of the block's largest,
+bf16's spacing 2**-8 of the value, so rounding to nearest writes back the v it read, and v
+stops decaying at its largest value (measured: after 1000 steps without gradients, int8 and
+bf16 v alike still hold e = 1 / 0.999**1000 times Adam's). The steps then shrink as if by
+AMSGrad's max, and training slows (+5 % final loss on digits). So a compact v (int8 or bf16)
+is rounded stochastically, up or down with the probabilities that make the stored v unbiased
+(for int8, between the squares of the two neighbouring codes): it decays as Adam's does, in
+expectation. The random bits are those of Note [16-bit masters] (a counter-based hash), on a
+stream of their own per state and bucket, so a resumed or another rank's run draws the same.
+The non-zero rule above still holds (a rounding to code 0 of a non-zero v takes code 1).
+
 # Note [16-bit masters]
 With a bf16 model, the model itself is the master (no fp32 copy); the bits that bf16 drops are
 kept, or not, by the master kind:
@@ -40,7 +53,7 @@ from typing import Optional
 import torch
 
 __all__ = ["BLOCK", "new_state", "decode_state", "encode_state", "new_correction",
-           "decode_master", "encode_master", "random_bits"]
+           "decode_master", "encode_master", "random_bits", "state_stream"]
 
 Tensor = torch.Tensor
 BLOCK = 64  # elements per scale of an 8-bit moment; equals flat.ALIGN (see the Note)
@@ -71,19 +84,33 @@ def decode_state(bufs: tuple[Tensor, ...], unsigned: bool) -> Tensor:
     return (z / (2 - z.abs()) * s).view(-1)  # the inverse of 2y / (1 + |y|)
 
 
-def encode_state(x: Tensor, bufs: tuple[Tensor, ...], unsigned: bool) -> tuple[Tensor, ...]:
+def encode_state(x: Tensor, bufs: tuple[Tensor, ...], unsigned: bool,
+                 bits: Optional[Tensor] = None) -> tuple[Tensor, ...]:
+    """`bits` (random_bits) round a non-negative state stochastically (Note [Rounding v
+    stochastically]); without them every value rounds to nearest."""
     if len(bufs) == 1:
+        if bits is not None and bufs[0].dtype == torch.bfloat16:
+            return (_round_stochastic(x, bits),)
         return (x.to(bufs[0].dtype),)
     codes, _ = bufs
     blocks = x.clamp_min(0).sqrt().view(-1, BLOCK) if unsigned else x.view(-1, BLOCK)
-    s = bf16_value(blocks.abs().amax(1))[:, None]
+    s = _bf16_above(blocks.abs().amax(1))[:, None]
     y = torch.where(s > 0, blocks / s, 0.0).clamp(-1, 1)
     if unsigned:
-        q = (y * 255).round()
+        q = (y * 255).round() if bits is None else _round_squares(y * 255, bits)
         q = torch.where((q == 0) & (y > 0), 1.0, q)  # Note [8-bit moments]
     else:
         q = (254 * y / (1 + y.abs())).round()
     return q.view(-1).to(codes.dtype), s.view(-1).to(torch.bfloat16)
+
+
+def _round_squares(r: Tensor, bits: Tensor) -> Tensor:
+    # r (in [0, 255]) to floor(r) or floor(r) + 1 with the probability that makes the square
+    # unbiased: P(up) = (r^2 - lo^2) / ((lo + 1)^2 - lo^2).
+    lo = r.floor()
+    up = (r.square() - lo.square()) / (2 * lo + 1)
+    u = bits.view(r.shape).float() * 2.0**-16
+    return torch.where(u < up, lo + 1, lo).clamp_max(255)
 
 
 # ------------------------------------------------------------------------------------ masters
@@ -138,6 +165,13 @@ def bf16_value(x: Tensor) -> Tensor:
     return raw.to(torch.int32).view(torch.float32)
 
 
+def _bf16_above(x: Tensor) -> Tensor:
+    # The smallest bf16 >= x (x >= 0, finite), as fp32: a block scale that no value of the block
+    # exceeds, so none is clipped (a clip of the largest v, repeated, would bias it down).
+    raw = x.view(torch.int32).to(torch.int64)
+    return ((raw + 0xFFFF) & -65536).to(torch.int32).view(torch.float32)
+
+
 def _round_stochastic(x: Tensor, bits: Tensor) -> Tensor:
     # Adding 16 random bits below bf16's last place and truncating rounds up with probability
     # (dropped bits) / 2**16, on the magnitude, so either sign is unbiased.
@@ -153,6 +187,11 @@ def _hash(x: Tensor) -> Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x5BD1E995) & _M32
     return x ^ (x >> 16)
+
+
+def state_stream(bucket: int, state: int) -> int:
+    """The random stream of state `state` of bucket `bucket` (masters use stream `bucket`)."""
+    return (state + 1) << 20 | bucket
 
 
 def random_bits(numel: int, seed: int, step: Tensor, stream: int) -> Tensor:

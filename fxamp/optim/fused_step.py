@@ -106,7 +106,7 @@ def update(weights: Sequence[tuple[Tensor, ...]], grads: Sequence[Tensor],
            states: Sequence[Sequence[tuple[Tensor, ...]]], models: Sequence[Optional[Tensor]],
            coefs: Tensor, groups: Sequence[int], aux: Sequence[tuple], *,
            update_fn: Callable, masters: Sequence[str], unsigned: Sequence[bool],
-           seed: int = 0) -> None:
+           stochastic: Sequence[bool] = (), seed: int = 0) -> None:
     """One elementwise pass per bucket: decode the weights and states, unscale and clip the
     gradient, apply the rule, encode, select the old values when skipping, write the weights,
     the states and the model copy.
@@ -114,7 +114,8 @@ def update(weights: Sequence[tuple[Tensor, ...]], grads: Sequence[Tensor],
     `weights[i]` is the bucket's weight buffers (the master or parameters, and a correction
     for a 16-bit master, Note [16-bit masters] in codecs.py) and `masters[i]` their kind;
     each state is a tuple of buffers (one, or int8 codes and scales, Note [8-bit moments]);
-    `unsigned[k]` says whether state k is non-negative.
+    `unsigned[k]` says whether state k is non-negative, `stochastic[k]` whether it is rounded
+    stochastically (Note [Rounding v stochastically] in codecs.py).
     """
     for i, (w, g, st, model, gi, ax) in enumerate(zip(weights, grads, states, models, groups,
                                                       aux)):
@@ -128,8 +129,11 @@ def update(weights: Sequence[tuple[Tensor, ...]], grads: Sequence[Tensor],
         if masters[i] == "stochastic":
             bits = codecs.random_bits(w[0].numel(), seed, c[STEP], i)
         _write(w, codecs.encode_master(new_w, w, masters[i], bits), skip)
-        for s, new, u in zip(st, new_st, unsigned):
-            _write(s, codecs.encode_state(new, s, u), skip)
+        for k, (s, new, u) in enumerate(zip(st, new_st, unsigned)):
+            bits = None
+            if k < len(stochastic) and stochastic[k]:
+                bits = codecs.random_bits(new.numel(), seed, c[STEP], codecs.state_stream(i, k))
+            _write(s, codecs.encode_state(new, s, u, bits), skip)
         if model is not None:
             model.copy_(torch.where(skip, model, new_w.to(model.dtype)))
 

@@ -225,12 +225,14 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
             rule=None if scaler is None else scaler.rule, **self._dist_kwargs())
         b = self._buckets
         bs = self._bucket_states
+        unsigned, stochastic = state_buffers.rounding(self.algorithm.state_keys,
+                                                      self.state_format)
         self._fns.update(
             [s.weights(x) for x, s in zip(b, bs)], grads, states=[s.states for s in bs],
             models=[None if x.master is None else x.param for x in b], coefs=coefs,
             groups=tuple(x.group_index for x in b), aux=self._aux, update_fn=self.algorithm.update,
             masters=tuple(s.master for s in bs), seed=self.state_format.seed,
-            unsigned=tuple(k in state_buffers.UNSIGNED_STATES for k in self.algorithm.state_keys))
+            unsigned=unsigned, stochastic=stochastic)
         for bucket in b:
             bucket.write_back()
 

@@ -11,10 +11,17 @@ from fxamp.optim.algorithms import Algorithm
 from fxamp.optim.bucket import Bucket
 from fxamp.optim.state_format import StateFormat
 
-__all__ = ["UNSIGNED_STATES", "BucketState", "allocate"]
+__all__ = ["UNSIGNED_STATES", "BucketState", "allocate", "rounding"]
 
 # States that are never negative: stored as uint8 square roots when 8-bit (Note [8-bit moments]).
 UNSIGNED_STATES = frozenset({"exp_avg_sq"})
+
+
+def rounding(keys: Sequence[str], fmt: StateFormat) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
+    """Per state: whether it is non-negative, and whether it is rounded stochastically (a
+    compact v: Note [Rounding v stochastically] in codecs.py)."""
+    unsigned = tuple(k in UNSIGNED_STATES for k in keys)
+    return unsigned, tuple(u and fmt.moments != "fp32" for u in unsigned)
 
 
 class BucketState:
