@@ -18,18 +18,21 @@ round(255 * sqrt(v) / max sqrt(v)) in uint8. A non-zero v never rounds to code 0
 1): v sits under a square root in a denominator, and a v read back as 0 would turn the update
 into m / eps.
 
-# Note [Rounding v stochastically]
+# Note [Rounding compact moments stochastically]
 Adam's v decays by beta2 = 0.999 per step, a change of 1e-3 of itself (5e-4 of its square root).
 No 8- or 16-bit encoding resolves that: a code step of sqrt(v) is 1/255 of the block's largest,
 bf16's spacing 2**-8 of the value, so rounding to nearest writes back the v it read, and v
-stops decaying at its largest value (measured: after 1000 steps without gradients, int8 and
-bf16 v alike still hold e = 1 / 0.999**1000 times Adam's). The steps then shrink as if by
-AMSGrad's max, and training slows (+5 % final loss on digits). So a compact v (int8 or bf16)
-is rounded stochastically, up or down with the probabilities that make the stored v unbiased
-(for int8, between the squares of the two neighbouring codes): it decays as Adam's does, in
-expectation. The random bits are those of Note [16-bit masters] (a counter-based hash), on a
-stream of their own per state and bucket, so a resumed or another rank's run draws the same.
-The non-zero rule above still holds (a rounding to code 0 of a non-zero v takes code 1).
+stops decaying at its largest value (measured: after 500 steps without gradients, int8 and
+bf16 v alike still hold e**0.5 = 1 / 0.999**500 times Adam's). The steps then shrink as if by
+AMSGrad's max, and training slows (+5 % final loss on digits). m decays by beta1 = 0.9, which
+bf16 resolves but an int8 code of 5 or less does not (0.9 * 5 rounds back to 5): small
+momenta never die out (after 40 steps the sum of |m| is 11 % high). So every int8 state, and a
+bf16 v, is rounded stochastically, to the code below or above with the probabilities that make
+the decoded value unbiased (for v between the squares of the two roots, for m between the two
+companded values): it decays as Adam's does, in expectation. The random bits are those of
+Note [16-bit masters] (a counter-based hash), on a stream per state and bucket
+(`state_stream`), so a resumed or another rank's run draws the same. The non-zero rule above
+still holds (a rounding to code 0 of a non-zero v takes code 1).
 
 # Note [16-bit masters]
 With a bf16 model, the model itself is the master (no fp32 copy); the bits that bf16 drops are
@@ -79,15 +82,14 @@ def decode_state(bufs: tuple[Tensor, ...], unsigned: bool) -> Tensor:
     s = scale.float()[:, None]
     if unsigned:
         root = codes.float().view(-1, BLOCK) * (s / 255)
-        return root.square().view(-1)
-    z = codes.float().view(-1, BLOCK) / 127
-    return (z / (2 - z.abs()) * s).view(-1)  # the inverse of 2y / (1 + |y|)
+        return root.square().view(-1)  # not _unsquare(codes) * s**2: the product may underflow
+    return (_uncompand(codes.float().view(-1, BLOCK)) * s).view(-1)
 
 
 def encode_state(x: Tensor, bufs: tuple[Tensor, ...], unsigned: bool,
                  bits: Optional[Tensor] = None) -> tuple[Tensor, ...]:
-    """`bits` (random_bits) round a non-negative state stochastically (Note [Rounding v
-    stochastically]); without them every value rounds to nearest."""
+    """With `bits` (random_bits) the state is rounded stochastically, unbiased (Note [Rounding
+    compact moments stochastically]); without them every value rounds to nearest."""
     if len(bufs) == 1:
         if bits is not None and bufs[0].dtype == torch.bfloat16:
             return (_round_stochastic(x, bits),)
@@ -97,20 +99,34 @@ def encode_state(x: Tensor, bufs: tuple[Tensor, ...], unsigned: bool,
     s = _bf16_above(blocks.abs().amax(1))[:, None]
     y = torch.where(s > 0, blocks / s, 0.0).clamp(-1, 1)
     if unsigned:
-        q = (y * 255).round() if bits is None else _round_squares(y * 255, bits)
+        q = _round(y * 255, y.square(), _unsquare, bits, (0, 255))
         q = torch.where((q == 0) & (y > 0), 1.0, q)  # Note [8-bit moments]
     else:
-        q = (254 * y / (1 + y.abs())).round()
+        q = _round(254 * y / (1 + y.abs()), y, _uncompand, bits, (-127, 127))
     return q.view(-1).to(codes.dtype), s.view(-1).to(torch.bfloat16)
 
 
-def _round_squares(r: Tensor, bits: Tensor) -> Tensor:
-    # r (in [0, 255]) to floor(r) or floor(r) + 1 with the probability that makes the square
-    # unbiased: P(up) = (r^2 - lo^2) / ((lo + 1)^2 - lo^2).
-    lo = r.floor()
-    up = (r.square() - lo.square()) / (2 * lo + 1)
-    u = bits.view(r.shape).float() * 2.0**-16
-    return torch.where(u < up, lo + 1, lo).clamp_max(255)
+def _unsquare(code: Tensor) -> Tensor:
+    return (code / 255).square()  # v / scale**2 of a uint8 code
+
+
+def _uncompand(code: Tensor) -> Tensor:
+    z = code / 127
+    return z / (2 - z.abs())  # m / scale of an int8 code: the inverse of 2y / (1 + |y|)
+
+
+def _round(code: Tensor, value: Tensor, decode, bits: Optional[Tensor],
+           limits: tuple[int, int]) -> Tensor:
+    """The real-valued `code` rounded to nearest, or with `bits` to its floor or ceiling with
+    the probability that makes the decoded value unbiased (Note [Rounding compact moments
+    stochastically])."""
+    if bits is None:
+        return code.round()
+    lo = code.floor()
+    below, above = decode(lo), decode(lo + 1)
+    up = (value - below) / (above - below)
+    u = bits.view(code.shape).float() * 2.0**-16
+    return torch.where(u < up, lo + 1, lo).clamp(*limits)
 
 
 # ------------------------------------------------------------------------------------ masters

@@ -115,7 +115,7 @@ def update(weights: Sequence[tuple[Tensor, ...]], grads: Sequence[Tensor],
     for a 16-bit master, Note [16-bit masters] in codecs.py) and `masters[i]` their kind;
     each state is a tuple of buffers (one, or int8 codes and scales, Note [8-bit moments]);
     `unsigned[k]` says whether state k is non-negative, `stochastic[k]` whether it is rounded
-    stochastically (Note [Rounding v stochastically] in codecs.py).
+    stochastically (Note [Rounding compact moments stochastically] in codecs.py).
     """
     for i, (w, g, st, model, gi, ax) in enumerate(zip(weights, grads, states, models, groups,
                                                       aux)):
