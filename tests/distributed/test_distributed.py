@@ -131,11 +131,13 @@ def test_process_group_argument():
 
 
 # The low_memory state (int8_error masters, int8 moments) against the same single process with
-# fp32 state, after 3 steps: parameters within 2 bf16 ulps of the largest weight (|w| < 0.5),
-# moments within 2 code steps (2/127) of the largest moment. Measured here: parameters 1.95e-3
-# (one ulp) for DDP, FSDP2 and the single low_memory run alike; moments 4.7e-4 (DDP and single)
-# and 3.2e-4 (FSDP2, whose shards have their own block scales), of at most 0.061.
-LOW_MEMORY_TOLERANCE = {"params": 2 * 2.0**-9, "decoded": 2 / 127}
+# fp32 state, after 3 steps: parameters within 2 bf16 ulps of the largest weight (|w| < 0.5);
+# moments within 2 code steps where the compander is coarsest (2 x 2/127 of the largest
+# moment: stochastic rounding lands up to one step away, Note [Rounding compact moments
+# stochastically]). Measured here: parameters 1.95e-3 (one ulp) for DDP, FSDP2 and the single
+# low_memory run alike; moments 3.5e-4 (DDP and single) and 1.07e-3 (FSDP2, whose shards have
+# their own block scales and random streams), of at most 0.061.
+LOW_MEMORY_TOLERANCE = {"params": 2 * 2.0**-9, "decoded": 4 / 127}
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
