@@ -30,7 +30,7 @@ from fxamp.passes.insert_casts import is_fxamp_cast
 from fxamp.prepare import CompileSettings, Prepared, prepare, requested_config
 from fxamp.provenance import module_of, source_line
 
-__all__ = ["GraphRecord", "Origin", "InstrumentingCompiler", "origin_of", "tensors_of",
+__all__ = ["GraphRecord", "OpSite", "Origin", "InstrumentingCompiler", "origin_of", "tensors_of",
            "display_name", "describe_config",
            "prepare_private", "call_model", "default_loss", "backward"]
 
@@ -67,15 +67,21 @@ class GraphRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class Origin:
-    """Where a node of a graph that ran comes from, in the user's terms."""
+class OpSite:
+    """Which op of which graph that ran: what Origin, RangeRow and OverflowSite start with."""
 
-    phase: str  # "forward" or "backward"
+    phase: str  # "forward" or "backward" ("loss" for OverflowSite's loss_fn site)
     graph: int
     node: str  # the node that ran (AOTAutograd's graph)
     op: str  # the ATen op that ran, e.g. "aten.addmm.default"
     source_op: str  # the op fxamp annotated, e.g. "aten.linear.default" ("" if none)
     module: str  # named_modules path of the innermost module, "" at the top level
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin(OpSite):
+    """Where a node of a graph that ran comes from, in the user's terms."""
+
     module_type: str
     source_line: str  # "path/models.py:28 in forward: return self.fc2(...)"
     policy: str  # fxamp's policy for source_op, and why

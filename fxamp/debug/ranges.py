@@ -22,7 +22,7 @@ import torch.fx as fx
 from fxamp._compat import OpOverload
 from fxamp.config import AmpConfig
 from fxamp.debug import instrument
-from fxamp.debug.instrument import (BACKWARD, GraphRecord, InstrumentingCompiler, Origin,
+from fxamp.debug.instrument import (BACKWARD, GraphRecord, InstrumentingCompiler, OpSite, Origin,
                                     call_model, default_loss, describe_config, origin_of,
                                     prepare_private, tensors_of)
 from fxamp.passes.annotate import short_dtype
@@ -40,7 +40,7 @@ aten = torch.ops.aten
 
 
 @dataclasses.dataclass(frozen=True)
-class RangeRow:
+class RangeRow(OpSite):
     """Statistics of one op's floating output over all batches.
 
     `phase` is "forward" (activations) or "backward" (gradients, scaled by the table's
@@ -48,12 +48,6 @@ class RangeRow:
     backward op, the forward op it differentiates). Fractions are of `numel`, all batches.
     """
 
-    phase: str
-    graph: int
-    node: str
-    op: str
-    source_op: str
-    module: str
     dtype: str
     numel: int
     max_abs: float  # largest |x|, inf included, NaN ignored

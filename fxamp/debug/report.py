@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from fxamp.config import AmpConfig
-from fxamp.debug.instrument import BACKWARD, Origin, describe_config
+from fxamp.debug.instrument import BACKWARD, OpSite, Origin, describe_config
 from fxamp.passes.annotate import short_dtype
 from fxamp.passes.insert_casts import is_fxamp_cast
 
@@ -50,7 +50,7 @@ class TensorSummary:
 
 
 @dataclasses.dataclass(frozen=True)
-class OverflowSite:
+class OverflowSite(OpSite):
     """The op that produced a non-finite value, and how to keep it finite.
 
     `phase` is "forward", "backward" or "loss"; `op` is the ATen op that ran (in AOTAutograd's
@@ -59,12 +59,6 @@ class OverflowSite:
     `fxamp.compile` keywords that would keep the op in fp32 (empty when that would not help).
     """
 
-    phase: str
-    graph: int
-    node: str
-    op: str
-    source_op: str
-    module: str
     module_type: str
     source_line: str
     policy: str

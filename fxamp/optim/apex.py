@@ -104,10 +104,9 @@ def _check_models(models: list, config: AmpConfig) -> None:
 
 
 def _check_optimizers(opts: list) -> None:
-    seen: dict[int, int] = {}
     owner: dict[int, int] = {}  # parameter id -> optimizer index
     for i, opt in enumerate(opts):
-        _check_optimizer(i, opt, seen)
+        _check_optimizer(i, opt, opts)
         for group in opt.param_groups:
             for p in group["params"]:
                 if owner.setdefault(id(p), i) != i:
@@ -116,15 +115,15 @@ def _check_optimizers(opts: list) -> None:
                                       "parameter can live in one flat buffer only")
 
 
-def _check_optimizer(i: int, opt: Any, seen: dict[int, int]) -> None:
+def _check_optimizer(i: int, opt: Any, opts: list) -> None:
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigError(f"optimizers[{i}] is a {type(opt).__name__}, not a torch "
                           "optimizer (pass bare optimizers, not FP16_Optimizer)")
-    if id(opt) in seen:
-        raise ConfigError(f"optimizers[{seen[id(opt)]}] and optimizers[{i}] are the same "
+    first = next(j for j, other in enumerate(opts) if other is opt)
+    if first != i:
+        raise ConfigError(f"optimizers[{first}] and optimizers[{i}] are the same "
                           f"{type(opt).__name__}: an optimizer passed twice would be "
                           "converted twice; pass each optimizer once")
-    seen[id(opt)] = i
     if not any(group["params"] for group in opt.param_groups):
         raise ConfigError(f"optimizers[{i}] ({type(opt).__name__}) has no parameters")
     if fused_class(opt) is None:  # it will be wrapped: refuse now what the wrapper would
