@@ -22,12 +22,13 @@ __all__ = ["Bucket", "ALIGN", "layout", "refresh_master"]
 ALIGN = 64
 
 
-def layout(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """(start offset of each tensor, total size): each start aligned to ALIGN elements."""
+def layout(numels: Sequence[int]) -> tuple[list[int], int]:
+    """(start offset of each tensor of these sizes, total size): each start aligned to ALIGN
+    elements."""
     offsets, pos = [], 0
-    for t in tensors:
+    for n in numels:
         offsets.append(pos)
-        pos += -(-t.numel() // ALIGN) * ALIGN
+        pos += -(-n // ALIGN) * ALIGN
     return offsets, max(pos, ALIGN)
 
 
@@ -77,6 +78,12 @@ class Bucket(abc.ABC):
     @abc.abstractmethod
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         """The i-th parameter's part of `flat`, shaped (and placed) like the parameter."""
+
+    @abc.abstractmethod
+    def block_view(self, per_block: torch.Tensor, block: int, i: int) -> torch.Tensor:
+        """The i-th parameter's part of `per_block`, which holds one value per `block` elements
+        of the flat layout (the scales of 8-bit moments), 1-D (and placed: Note [Block scales
+        of sharded parameters] in sharded.py)."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:

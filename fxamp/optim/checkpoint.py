@@ -60,20 +60,14 @@ def expose_state(opt: "Checkpointable") -> None:
 def _state_views(bucket, held, keys) -> list[tuple[str, list]]:
     """Per-parameter views of each state: int8 codes shaped like the parameter, and their
     bf16 block scales under "<key>_scale" (Note [8-bit moments] in codecs.py: a block never
-    straddles two parameters)."""
+    straddles two parameters; Note [Block scales of sharded parameters] in sharded.py)."""
     out = []
     for key, bufs in zip(keys, held.states):
         out.append((key, bucket.views(bufs[0])))
         if len(bufs) == 2:
-            out.append((f"{key}_scale", [bufs[1][o // BLOCK:(o + n + BLOCK - 1) // BLOCK]
-                                         for o, n in zip(bucket.offsets, _local_numels(bucket))]))
+            out.append((f"{key}_scale", [bucket.block_view(bufs[1], BLOCK, i)
+                                         for i in range(len(bucket.params))]))
     return out
-
-
-def _local_numels(bucket) -> list[int]:
-    if bucket.sharded:
-        return [p.to_local().numel() for p in bucket.params]
-    return [p.numel() for p in bucket.params]
 
 
 def _param_ids(opt: "Checkpointable") -> dict[int, int]:

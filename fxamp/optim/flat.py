@@ -51,7 +51,7 @@ class FlatBucket(Bucket):
                  master_weights: bool) -> None:
         self.group_index = group_index
         self.params = list(params)
-        self.offsets, numel = layout(self.params)
+        self.offsets, numel = layout([p.numel() for p in self.params])
         ref = self.params[0]
         self.param = torch.zeros(numel, dtype=ref.dtype, device=ref.device)
         self.grad = torch.zeros_like(self.param)
@@ -73,6 +73,10 @@ class FlatBucket(Bucket):
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         p = self.params[i]
         return flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+
+    def block_view(self, per_block: torch.Tensor, block: int, i: int) -> torch.Tensor:
+        start = self.offsets[i] // block
+        return per_block[start:start - (-self.params[i].numel() // block)]
 
     def zero_grad(self) -> None:
         self.grad.zero_()

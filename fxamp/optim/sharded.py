@@ -13,6 +13,18 @@ layout machinery, and pays two copies of the local shards per step:
 The states and masters it exposes (`opt.state[p]`, the state dict) are DTensors with the
 parameter's placements over views of the flat buffers, so torch.distributed.checkpoint saves
 every rank's shard and loads each back in place.
+
+# Note [Block scales of sharded parameters]
+8-bit moments keep one scale per BLOCK elements of the flat layout (Note [8-bit moments] in
+codecs.py), so each rank quantises its own shard, and a parameter's scales on one rank are a
+number that depends on its shard's size. FSDP2's shards along dim 0 can be uneven (rank 0 of 2
+holds 9 of 17 rows, rank 1 holds 8), and a DTensor's shards must be torch.chunk's of its global
+shape. So each parameter takes the same room in the flat layout on every rank: its padded
+shard, ceil(dim0 / ranks) rows (the size FSDP2 pads its own shards to). A parameter's scales
+are then the same number on every rank, and are exposed as a 1-D DTensor sharded over the
+mesh (global size ranks x that number): DCP writes every rank's scales, not rank 0's for all.
+The padding holds zeros that no step changes. A checkpoint so saved loads bit-exactly with the
+same number of ranks; its scales describe blocks of one sharding, so it does not reshard.
 """
 
 from __future__ import annotations
@@ -26,9 +38,19 @@ from fxamp._compat import foreach_add_, foreach_copy_
 from fxamp.optim.bucket import Bucket, layout, refresh_master
 from fxamp.policy import LOW_DTYPES
 
-__all__ = ["ShardedBucket"]
+__all__ = ["ShardedBucket", "padded_numel"]
 
 log = logging.getLogger(__name__)
+
+
+def padded_numel(p: torch.Tensor) -> int:
+    """The elements of the largest local shard of DTensor `p` on its 1-D mesh: the room each
+    rank gives it (Note [Block scales of sharded parameters])."""
+    placement = p.placements[0]
+    if not placement.is_shard() or p.numel() == 0:
+        return p.to_local().numel()
+    rows = p.shape[placement.dim]
+    return -(-rows // p.device_mesh.size()) * (p.numel() // rows)
 
 
 class ShardedBucket(Bucket):
@@ -45,7 +67,7 @@ class ShardedBucket(Bucket):
         self.group_index = group_index
         self.params = list(params)
         local = self._locals()
-        self.offsets, numel = layout(local)
+        self.offsets, numel = layout([padded_numel(p) for p in self.params])
         self.param = torch.zeros(numel, dtype=local[0].dtype, device=local[0].device)
         self.grad = torch.zeros_like(self.param)
         self.grad_views = [self.local_view(self.grad, i) for i in range(len(local))]
@@ -77,6 +99,19 @@ class ShardedBucket(Bucket):
         p = self.params[i]
         return DTensor.from_local(self.local_view(flat, i), p.device_mesh, p.placements,
                                   run_check=False, shape=p.shape, stride=p.stride())
+
+    def block_view(self, per_block: torch.Tensor, block: int, i: int) -> torch.Tensor:
+        """Note [Block scales of sharded parameters]."""
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        p = self.params[i]
+        count = -(-padded_numel(p) // block)
+        start = self.offsets[i] // block
+        mesh = p.device_mesh
+        sharded = p.placements[0].is_shard()
+        return DTensor.from_local(
+            per_block[start:start + count], mesh, [Shard(0) if sharded else Replicate()],
+            run_check=False, shape=(count * (mesh.size() if sharded else 1),), stride=(1,))
 
     def zero_grad(self) -> None:
         self.grad.zero_()

@@ -19,10 +19,10 @@ IN, HIDDEN, OUT, GLOBAL_BATCH = 8, 16, 4, 8
 INF = float("inf")
 
 
-def make_model(level, seed=0):
+def make_model(level, seed=0, hidden=HIDDEN):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(IN, HIDDEN), torch.nn.Tanh(),
-                                torch.nn.Linear(HIDDEN, OUT))
+    model = torch.nn.Sequential(torch.nn.Linear(IN, hidden), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, OUT))
     return fxamp.compile(model, opt_level=level, compiler="aot_eager")
 
 
@@ -86,19 +86,37 @@ def train(model, opt, scaler, steps, *, rank=0, world=1, kind="single", start=0,
 def summary(model, opt, scaler, skipped, norms):
     masters = [full(e["master_param"]) for e in opt.state.values() if "master_param" in e]
     moments = [full(e[k]) for e in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    # Everything else a state format keeps: 8-bit moments' scales, masters' corrections.
+    extra = [full(v) for e in opt.state.values() for k, v in sorted(e.items())
+             if k.endswith(("_scale", "_correction"))]
     return dict(params=torch.cat([full(p) for p in model.parameters()]),
                 masters=torch.cat(masters) if masters else None, moments=torch.cat(moments),
+                extra=torch.cat(extra) if extra else None, decoded=decoded_moments(opt),
                 dtype=next(model.parameters()).dtype, scale=scaler.get_scale(),
                 skipped=skipped, norms=norms, step=opt._step_count.item())
 
 
-def run(rank, kind, level, *, steps=3, bad=(), max_grad_norm=None, compile_step=False):
+def decoded_moments(opt):
+    """Adam's m and v of every parameter in fp32, whole (8-bit ones decoded per shard)."""
+    from fxamp.optim import codecs
+
+    out = []
+    for bucket, held in zip(opt.buckets, opt.bucket_states):
+        for key, bufs in zip(opt.algorithm.state_keys, held.states):
+            flat = codecs.decode_state(bufs, key == "exp_avg_sq")
+            out += [full(v) for v in bucket.views(flat)]
+    return torch.cat(out)
+
+
+def run(rank, kind, level, *, steps=3, bad=(), max_grad_norm=None, compile_step=False,
+        state_format=None, hidden=HIDDEN):
     """Train `kind` ("ddp", "fsdp", "single") on this rank's slice of each global batch."""
     world = dist.get_world_size() if kind != "single" else 1
-    model = make_model(level)
+    model = make_model(level, hidden=hidden)
     wrapped = wrap(model, kind)
     opt = fo.AdamW(wrapped.parameters(), lr=1e-2, max_grad_norm=max_grad_norm,
-                   compile=compile_step, process_group="auto" if kind != "single" else None)
+                   compile=compile_step, process_group="auto" if kind != "single" else None,
+                   state_format=state_format)
     scaler = fo.LossScaler()
     skipped, norms = train(wrapped, opt, scaler, steps, rank=rank if kind != "single" else 0,
                            world=world, kind=kind, bad=bad)
@@ -114,33 +132,45 @@ def run_with_reference(rank, kind, level, **kwargs):
     return out
 
 
-def build(kind, level, *, seed=0, compile_step=False, max_grad_norm=None):
-    model = make_model(level, seed=seed)
+def build(kind, level, *, seed=0, compile_step=False, max_grad_norm=None, state_format=None,
+          hidden=HIDDEN):
+    model = make_model(level, seed=seed, hidden=hidden)
     wrapped = wrap(model, kind)
     opt = fo.AdamW(wrapped.parameters(), lr=1e-2, max_grad_norm=max_grad_norm,
-                   compile=compile_step)
+                   compile=compile_step, state_format=state_format)
     return model, wrapped, opt, fo.LossScaler()
 
 
-def resume(rank, kind, level, path, *, steps=4, bad=((1, 1),)):
+def resume(rank, kind, level, path, *, steps=4, bad=((1, 1),), **build_kwargs):
     """An uninterrupted run of `steps`, and one saved half-way with fxamp.distributed.save,
     loaded into a model built from another seed, and continued."""
     from fxamp import distributed as fd
 
     world, half = dist.get_world_size(), steps // 2
-    model, wrapped, opt, scaler = build(kind, level)
+    model, wrapped, opt, scaler = build(kind, level, **build_kwargs)
     done = train(wrapped, opt, scaler, steps, rank=rank, world=world, kind=kind, bad=bad)
     straight = summary(model, opt, scaler, *done)
 
-    model, wrapped, opt, scaler = build(kind, level)
+    model, wrapped, opt, scaler = build(kind, level, **build_kwargs)
     first = train(wrapped, opt, scaler, half, rank=rank, world=world, kind=kind, bad=bad)
     fd.save(path, model=wrapped, optimizer=opt, scaler=scaler)
-    model, wrapped, opt, scaler = build(kind, level, seed=1)
+    model, wrapped, opt, scaler = build(kind, level, seed=1, **build_kwargs)
     fd.load(path, model=wrapped, optimizer=opt, scaler=scaler)
     rest = train(wrapped, opt, scaler, steps - half, rank=rank, world=world, kind=kind,
                  start=half, bad=bad)
     resumed = summary(model, opt, scaler, first[0] + rest[0], first[1] + rest[1])
     return straight, resumed
+
+
+def low_memory(rank, kind, path):
+    """Training with the low_memory state format (int8_error masters, int8 moments) beside the
+    single process's, and a resume, in one spawn. Hidden width 17: FSDP2's shards of the first
+    layer are uneven (9 and 8 rows: 2 blocks of scales and 1, padded to 2)."""
+    fmt = dict(state_format="low_memory", hidden=17)
+    trained = run_with_reference(rank, kind, "O2", **fmt)
+    if rank == 0:  # the same single process with fp32 masters and moments
+        trained["fp32_state"] = run(0, "single", "O2", hidden=17)
+    return trained, resume(rank, kind, "O2", path, **fmt)
 
 
 def wrong_orders(rank):
