@@ -176,3 +176,17 @@ def test_choices_and_reasons():
 def test_bad_batched_fields_are_refused(kwargs, message):
     with pytest.raises(fxamp.ConfigError, match=message):
         Float8Config(**kwargs)
+
+
+def test_delayed_scaling_keeps_histories_for_the_flattened_bmm_only():
+    # the flattened bmm is a 2-D GEMM with its two histories; the per-expert one is scaled
+    # dynamically per entry (Note [Batched float8 GEMMs])
+    model = Experts()
+    fxamp.compile(model, opt_level="O2", float8=Float8Config(scaling="delayed", **SMALL),
+                  compiler="aot_eager")
+    x = torch.randn(2, 16, 32)
+    model(x).sum().backward()
+    histories = {k: v for k, v in model.state_dict().items() if k.startswith("fxamp_float8_")}
+    assert sorted(histories) == ["fxamp_float8_g0__root__bmm1_input",
+                                 "fxamp_float8_g0__root__bmm1_weight"], sorted(histories)
+    assert histories["fxamp_float8_g0__root__bmm1_weight"][0] == model.proj.abs().max()
