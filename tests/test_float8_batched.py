@@ -1,0 +1,178 @@
+"""Batched float8 GEMMs (Note [Batched float8 GEMMs]): bmm, baddbmm and batched matmul, one
+GEMM per batch entry with scales per entry, or one flattened GEMM when the right operand is a
+broadcast weight; attention-style ones excluded by default (Note [Attention-style batched
+GEMMs stay by default]); the recipes' numerics against a hand-written reference."""
+
+import pytest
+import torch
+
+import fxamp
+from fxamp import _compat
+from fxamp.float8 import RECIPES as SPECS, Float8Config
+from fxamp.float8.gemm import Float8MM, float8_bmm, float8_matmul
+
+ROWWISE_ON_CPU = _compat.scaled_mm_refusal("cpu", True, torch.bfloat16) is None
+_NO_ROWWISE = pytest.mark.skipif(not ROWWISE_ON_CPU, reason="torch._scaled_mm has no "
+                                 "row-scaled CPU kernel before 2.13")
+RECIPES = ["tensorwise", pytest.param("rowwise", marks=_NO_ROWWISE),
+           pytest.param("rowwise_with_gw_hp", marks=_NO_ROWWISE)]
+SMALL = dict(min_dim=16)  # the tests' GEMMs are 16/32 wide
+
+
+def _dequant(x, dtype, dim, rowwise, pow2):
+    """x rounded through float8 the recipe's way (scale = finfo.max / amax over the
+    contraction dim `dim` or the whole matrix, saturated, cast), back in float64."""
+    amax = x.abs().amax(dim=dim, keepdim=True) if rowwise else x.abs().max()
+    scale = (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    fmax = torch.finfo(dtype).max
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype).double() / scale.double()
+
+
+def reference_mm(a, b, g, recipe):
+    """Output and gradients of a 2-D a @ b in the recipe (torchao's semantics), in float64:
+    output = a8 @ b8; grad_a = g8 @ b^T8 (b^T tensorwise in rowwise_with_gw_hp);
+    grad_b = (g^T8 @ a8)^T, or a^T @ g unrounded in rowwise_with_gw_hp."""
+    r = SPECS[recipe]
+    q = lambda x, dtype, dim, rowwise=r.rowwise: _dequant(x, dtype, dim, rowwise, r.pow2_scales)
+    out = q(a, r.input, -1) @ q(b, r.weight, 0)
+    grad_a = q(g, r.grad_output, -1) @ q(b.t(), r.weight, 0,
+                                          r.rowwise and not r.weight_tensorwise_for_grad_input)
+    if r.grad_weight_hp:
+        grad_b = a.double().t() @ g.double()
+    else:
+        grad_b = (q(g.t(), r.grad_output, -1) @ q(a, r.input, 0)).t()
+    return out, grad_a, grad_b
+
+
+def _close(actual, expected, what):
+    # _scaled_mm accumulates in fp32 and rounds once to bf16; the reference is float64.
+    err = (actual.double() - expected).abs().max().item()
+    bound = 2 ** -7 * expected.abs().max().item()
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g} (one bf16 rounding)"
+
+
+def _operands(batch=3, m=16, k=32, n=16, seed=0):
+    torch.manual_seed(seed)
+    # entries of very different magnitudes: one scale for the batch would show
+    scales = torch.tensor([1.0, 1e-2, 30.0][:batch]).view(-1, 1, 1)
+    a = (torch.randn(batch, m, k) * scales).to(torch.bfloat16).requires_grad_()
+    b = (torch.randn(batch, k, n) * 0.1).to(torch.bfloat16).requires_grad_()
+    return a, b
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_batched_gemm_matches_the_hand_written_recipe_per_entry(recipe):
+    a, b = _operands()
+    y = float8_bmm(a, b, None, recipe)
+    g = torch.randn_like(y)
+    y.backward(g)
+    for i in range(a.shape[0]):
+        out, ga, gb = reference_mm(a[i].detach(), b[i].detach(), g[i], recipe)
+        _close(y[i], out, f"output[{i}]")
+        _close(a.grad[i], ga, f"grad_a[{i}]")
+        _close(b.grad[i], gb, f"grad_b[{i}]")
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_batch_entry_is_exactly_the_2d_float8_gemm(recipe):
+    # per-entry scales: entry i of the batched GEMM is, bit for bit, the 2-D GEMM of entry i
+    a, b = _operands()
+    y = float8_bmm(a, b, None, recipe)
+    g = torch.randn_like(y)
+    y.backward(g)
+    for i in range(a.shape[0]):
+        ai, bi = a[i].detach().requires_grad_(), b[i].detach().requires_grad_()
+        yi = Float8MM.apply(ai, bi, recipe)
+        yi.backward(g[i])
+        assert torch.equal(y[i], yi)
+        assert torch.equal(a.grad[i], ai.grad) and torch.equal(b.grad[i], bi.grad)
+
+
+def test_baddbmm_alpha_beta_and_4d_matmul():
+    a, b = _operands(batch=2)
+    bias = torch.randn(2, 16, 16, dtype=torch.bfloat16)
+    plain = float8_bmm(a, b, None, "tensorwise")
+    y = float8_bmm(a, b, bias, "tensorwise", alpha=0.5, beta=2.0)
+    assert torch.equal(y, plain * 0.5 + 2.0 * bias)
+    # [2, 2, M, K] @ [2, 2, K, N]: four entries
+    a4, b4 = a.detach().repeat(2, 1, 1).view(2, 2, 16, 32), b.detach().repeat(2, 1, 1)
+    y4 = float8_bmm(a4, b4.view(2, 2, 32, 16), None, "tensorwise")
+    assert y4.shape == (2, 2, 16, 16) and torch.equal(y4.reshape(4, 16, 16)[:2], plain)
+
+
+class Experts(torch.nn.Module):
+    """A grouped expert GEMM (bmm with a [E, K, N] parameter), a linear written as a bmm of
+    an expanded weight, and an attention-style bmm."""
+
+    def __init__(self, experts=2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w = torch.nn.Parameter(torch.randn(experts, 32, 16) * 0.1)
+        self.proj = torch.nn.Parameter(torch.randn(16, 16) * 0.1)
+
+    def forward(self, x):
+        h = torch.bmm(x, self.w)                                      # per expert
+        h = torch.bmm(h, self.proj.expand(x.shape[0], 16, 16))        # flattened linear
+        return torch.bmm(h, h.transpose(1, 2)).softmax(-1) @ h        # attention-style
+
+
+def test_flattened_bmm_is_the_linear_path_bitwise():
+    # bmm(x, w.expand(B, K, N)) runs as one [B*M, K] @ [K, N] GEMM: the same bits as the
+    # 2-D float8 GEMM, the weight's gradient summed over the batch by that GEMM
+    torch.manual_seed(0)
+    x = torch.randn(3, 16, 32, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(32, 16) * 0.1).to(torch.bfloat16).requires_grad_()
+    y = float8_bmm(x, w, None, "tensorwise")
+    x2, w2 = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y2 = float8_matmul(x2, w2, None, "tensorwise")
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
+
+
+def test_compiled_model_runs_its_batched_gemms_in_float8():
+    # the compiled model's outputs and gradients are float8_bmm's (no Inductor: bit for bit)
+    model, ref = Experts(), Experts()
+    fxamp.compile(model, opt_level="O2", float8=Float8Config(**SMALL), compiler="aot_eager")
+    ref.to(torch.bfloat16)
+    x = torch.randn(2, 16, 32)
+    y = model(x)
+    xb = x.to(torch.bfloat16)
+    h = float8_bmm(xb, ref.w, None, "tensorwise")
+    h = float8_bmm(h, ref.proj, None, "tensorwise")
+    y_ref = (torch.bmm(h, h.transpose(1, 2)).softmax(-1) @ h).float()
+    assert torch.equal(y, y_ref)
+    y.sum().backward()
+    y_ref.sum().backward()
+    assert torch.equal(model.w.grad, ref.w.grad) and torch.equal(model.proj.grad, ref.proj.grad)
+
+
+def test_choices_and_reasons():
+    report = fxamp.explain(Experts(), torch.randn(2, 16, 32), opt_level="O2",
+                           float8=Float8Config(**SMALL))
+    by_kind = [(g.op, g.batch, g.float8) for g in report.gemms]
+    assert by_kind == [("bmm", 2, True), ("bmm", 0, True), ("bmm", 2, False),
+                       ("matmul", 2, False)], report.gemms
+    assert all("attention-style" in g.reason for g in report.gemms[2:])
+    assert "one flattened GEMM" in report.gemms[1].reason
+    with_attention = fxamp.explain(Experts(), torch.randn(2, 16, 32), opt_level="O2",
+                                   float8=Float8Config(batched_activations=True, **SMALL))
+    assert all(g.float8 for g in with_attention.gemms)
+    capped = fxamp.explain(Experts(experts=4), torch.randn(4, 16, 32), opt_level="O2",
+                           float8=Float8Config(max_batch=3, **SMALL))
+    assert "4 batch entries > max_batch=3" in capped.gemms[0].reason
+    delayed = fxamp.explain(Experts(), torch.randn(2, 16, 32), opt_level="O2",
+                            float8=Float8Config(scaling="delayed", **SMALL))
+    assert "scaled per entry dynamically" in delayed.gemms[0].reason
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_batch=0), "max_batch=0 must be a positive int"),
+    (dict(batched_activations=1), "batched_activations=1 must be True or False"),
+])
+def test_bad_batched_fields_are_refused(kwargs, message):
+    with pytest.raises(fxamp.ConfigError, match=message):
+        Float8Config(**kwargs)
