@@ -207,3 +207,24 @@ def test_delayed_scaling_keeps_a_history_per_batch_entry_and_resumes_bit_exactly
     assert torch.equal(_step(model, xs[2]), _step(resumed, xs[2]))
     after, resumed_after = model.state_dict(), resumed.state_dict()
     assert all(torch.equal(after[k], resumed_after[k]) for k in histories)
+
+
+def test_a_dynamic_batch_size_stays_named():
+    class Scores(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q = torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            h = self.q(x)
+            return torch.bmm(h, h.transpose(1, 2))
+
+    model = Scores()
+    fxamp.compile(model, opt_level="O2", compiler="aot_eager", dynamic=True,
+                  float8=Float8Config(batched_activations=True, **SMALL))
+    for batch in (2, 3):
+        model(torch.randn(batch, 16, 32)).sum().backward()
+    choices = [n.meta["fxamp_float8"] for g in fxamp.backend_of(model).compiled_graphs
+               for n in g.graph_module.graph.nodes if "fxamp_float8" in n.meta]
+    assert [c.reason for c in choices if c.op == "bmm"][-1] == \
+        "bmm with a dynamic batch size; stays bf16"

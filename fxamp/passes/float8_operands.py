@@ -145,6 +145,9 @@ def _batched(gm: fx.GraphModule, node: fx.Node, op: str) -> GemmOperands:
     a, b = _val(left), _val(right)
     if not all(isinstance(v, torch.Tensor) and v.dim() >= 2 for v in (a, b)):
         return GemmOperands(refusal=f"{op} of a {_dims(a)} and a {_dims(b)} operand")
+    if not all(isinstance(d, int) for d in (*a.shape[:-2], *b.shape[:-2])):
+        # decided before any comparison, so that deciding adds no guard on it
+        return GemmOperands(refusal=f"{op} with a dynamic batch size")
     source = _broadcast_source(right)
     if (source is not None or math.prod(b.shape[:-2]) == 1) and a.dim() >= b.dim():
         return GemmOperands(a, b, left, source or right, bias, flattened=True, **scalars)
