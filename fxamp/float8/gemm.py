@@ -26,9 +26,8 @@ CPU kernel (checked on 2.11, 2.13, 2.14.1) and needs sm90+ on CUDA. So a batched
   the resolution of all the others. The casts and amax reductions are loop-free (one
   reduction over the last two dims); only the GEMMs are unrolled. The loop-free alternatives
   lose: a block-diagonal 2-D GEMM does B times the FLOPs, and dequantizing into a bf16 `bmm`
-  rounds like float8 but computes in bf16. Delayed scaling does not apply to this form (its
-  histories are one amax per tensor of a 2-D GEMM): these GEMMs are scaled dynamically, and
-  explain() says so. `Float8Config.max_batch` (default 64) bounds the unrolling; attention's
+  rounds like float8 but computes in bf16. Delayed scaling keeps one history per batch entry
+  (a [history_len, B] buffer), for the same reason. `Float8Config.max_batch` (default 64) bounds the unrolling; attention's
   batched GEMMs (both operands activations) stay in the model dtype unless
   `batched_activations=True` (fxamp/passes/float8_operands.py says why). On CUDA,
   `_scaled_grouped_mm` could replace the loop: open work, untested here (no GPU).
@@ -124,7 +123,7 @@ class Float8MM(torch.autograd.Function):
     """a [M, K] @ b [K, N] (or batched: a [B, M, K] @ b [B, K, N]) with all three GEMMs in
     float8 (Note [Float8 GEMMs are an autograd.Function in the graph]), the grad_weight one in
     the operands' dtype for recipes with `grad_weight_hp`. Saves the high-precision operands,
-    as torchao does. With amax histories (delayed scaling, tensorwise, 2-D) a and b are scaled
+    as torchao does. With amax histories (delayed scaling, tensorwise) a and b are scaled
     from them, in the backward GEMMs too (Note [Delayed scaling lives in the model])."""
 
     @staticmethod
@@ -192,7 +191,8 @@ def float8_bmm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], r
                              history_b)
         out = out.reshape(*a.shape[:-1], n)
     else:
-        out = Float8MM.apply(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n), recipe)
+        out = Float8MM.apply(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n), recipe,
+                             history_a, history_b)
         out = out.reshape(*a.shape[:-1], n)
     out = out if alpha == 1 else out * alpha
     if bias is None:

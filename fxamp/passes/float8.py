@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 import re
 from typing import Any, Callable, Optional
 
@@ -103,8 +102,7 @@ _ATTENTION = ("attention-style batched GEMM (no parameter operand): off by defau
               "by default])")
 
 
-def _refusal(gm: fx.GraphModule, node: fx.Node, ops: GemmOperands,
-             config: AmpConfig) -> Optional[str]:
+def _refusal(node: fx.Node, ops: GemmOperands, config: AmpConfig) -> Optional[str]:
     f8, a, b = config.float8, ops.a, ops.b
     if ops.refusal:
         return ops.refusal
@@ -121,14 +119,13 @@ def _refusal(gm: fx.GraphModule, node: fx.Node, ops: GemmOperands,
 
 
 def _why(ops: GemmOperands, config: AmpConfig) -> str:
-    r, f8 = config.float8.spec, config.float8
+    r = config.float8.spec
     why = (f"{r.name}: {short_dtype(r.input)} x {short_dtype(r.weight)}, grad "
            f"{short_dtype(r.grad_output)}"
            f"{', grad_weight ' + short_dtype(ops.a.dtype) if r.grad_weight_hp else ''}, "
            f"{short_dtype(ops.a.dtype)} out")
     if ops.batch:
-        why += (f"; {ops.batch} GEMMs, one per batch entry, scaled per entry"
-                f"{' dynamically' if f8.scaling == 'delayed' else ''}")
+        why += f"; {ops.batch} GEMMs, one per batch entry, scaled per entry"
     elif ops.flattened:
         why += "; one flattened GEMM (the right operand has one batch entry)"
     return why
@@ -138,7 +135,7 @@ def decide(gm: fx.GraphModule, node: fx.Node, config: AmpConfig) -> GemmChoice:
     op, module = GEMM_OPS[node.target], _module(node)[0]
     ops = gemm_operands(gm, node)
     shape = None if ops.a is None else ops.mkn
-    refusal = _refusal(gm, node, ops, config)
+    refusal = _refusal(node, ops, config)
     if refusal:
         dtype = short_dtype(_val(node).dtype) if isinstance(_val(node), torch.Tensor) else "-"
         return GemmChoice(op, module, shape, False, f"{refusal}; stays {dtype}", _flops(node),
@@ -179,8 +176,8 @@ def _erase_unused(node: Any) -> None:
         node = source
 
 
-def _history_args(gm: fx.GraphModule, node: fx.Node, history: Float8History,
-                  base: str) -> tuple[fx.Node, ...]:
+def _history_args(gm: fx.GraphModule, node: fx.Node, history: Float8History, base: str,
+                  entries: int) -> tuple[fx.Node, ...]:
     # Note [Delayed scaling lives in the model]: the graph reads and updates the model's own
     # buffers, registered on the graph module under the same tensor (AOTAutograd lifts a graph
     # module's buffers to inputs of the compiled function and copies mutations back).
@@ -188,7 +185,7 @@ def _history_args(gm: fx.GraphModule, node: fx.Node, history: Float8History,
     attrs = []
     for operand in ("input", "weight"):
         name = f"{base}_{operand}"
-        tensor = history.get(name)
+        tensor = history.get(name, entries)
         gm.register_buffer(PREFIX + name, tensor)
         with gm.graph.inserting_before(node):
             attr = gm.graph.get_attr(PREFIX + name)
@@ -208,9 +205,10 @@ def rewrite_gemms(gm: fx.GraphModule, config: AmpConfig,
         if choice is None or not choice.float8 or is_float8_gemm(node):
             continue
         fn, args, kwargs = _replacement(gm, node)
-        if history is not None and not choice.batch:
+        if history is not None:
             base = re.sub(r"\W", "_", f"g{graph_id}_{choice.module}_{choice.op}{rewritten}")
-            args = (*args, config.float8.recipe, *_history_args(gm, node, history, base))
+            args = (*args, config.float8.recipe,
+                    *_history_args(gm, node, history, base, choice.batch))
         else:
             args = (*args, config.float8.recipe)
         with gm.graph.inserting_before(node):

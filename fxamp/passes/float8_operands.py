@@ -92,7 +92,7 @@ def _through(node: Any, ops: frozenset) -> Any:
     return node
 
 
-def is_parameter(gm: fx.GraphModule, node: Any) -> bool:
+def _is_parameter(gm: fx.GraphModule, node: Any) -> bool:
     """`node` is a view or cast of a parameter (Note [Attention-style batched GEMMs ...])."""
     node = _through(node, _VIEWS)
     if not isinstance(node, fx.Node):
@@ -151,7 +151,7 @@ def _batched(gm: fx.GraphModule, node: fx.Node, op: str) -> GemmOperands:
     if a.shape[:-2] != b.shape[:-2]:
         return GemmOperands(refusal=f"{op} with broadcast batch dims "
                                     f"{list(a.shape[:-2])} and {list(b.shape[:-2])}")
-    activations = not (is_parameter(gm, left) or is_parameter(gm, right))
+    activations = not (_is_parameter(gm, left) or _is_parameter(gm, right))
     return GemmOperands(a, b, left, right, bias, math.prod(a.shape[:-2]), activations,
                         **scalars)
 
