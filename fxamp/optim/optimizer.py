@@ -226,12 +226,13 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _fused_step(self, grads, scaler: Optional[LossScaler], *, check: bool,
                     found_in: Optional[torch.Tensor] = None) -> None:
-        state = None if scaler is None else scaler.state_tensors(self._device)
+        scale_state = None if scaler is None else scaler.state_tensors(self._device)
         if scaler is not None:
             scaler.scaled_graphs.mark_done(self)
+        state = fused_step.StepState(self._hyper, self._step_count, self.found_inf,
+                                     self.grad_norm)
         coefs = self._fns.prologue(
-            grads, hyper=self._hyper, step=self._step_count, found_out=self.found_inf,
-            norm_out=self.grad_norm, scaler_state=state, found_in=found_in,
+            grads, state, scaler_state=scale_state, found_in=found_in,
             coefs_fn=self.algorithm.coefs, check=check, max_norm=self.max_grad_norm,
             rule=None if scaler is None else scaler.rule, **self._dist_kwargs())
         b = self._buckets
