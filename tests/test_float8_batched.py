@@ -133,17 +133,24 @@ def test_flattened_bmm_is_the_linear_path_bitwise():
     assert torch.equal(y, y2) and torch.equal(x.grad, x2.grad) and torch.equal(w.grad, w2.grad)
 
 
-def test_compiled_model_runs_its_batched_gemms_in_float8():
-    # the compiled model's outputs and gradients are float8_bmm's (no Inductor: bit for bit)
+@pytest.mark.parametrize("attention", [False, True], ids=["default", "batched_activations"])
+def test_compiled_model_runs_its_batched_gemms_in_float8(attention):
+    # the compiled model's outputs and gradients are float8_bmm's (no Inductor: bit for bit);
+    # with batched_activations=True the attention-style GEMMs too
     model, ref = Experts(), Experts()
-    fxamp.compile(model, opt_level="O2", float8=Float8Config(**SMALL), compiler="aot_eager")
+    fxamp.compile(model, opt_level="O2", compiler="aot_eager",
+                  float8=Float8Config(batched_activations=attention, **SMALL))
     ref.to(torch.bfloat16)
     x = torch.randn(2, 16, 32)
     y = model(x)
     xb = x.to(torch.bfloat16)
     h = float8_bmm(xb, ref.w, None, "tensorwise")
     h = float8_bmm(h, ref.proj, None, "tensorwise")
-    y_ref = (torch.bmm(h, h.transpose(1, 2)).softmax(-1) @ h).float()
+    if attention:
+        scores = float8_bmm(h, h.transpose(1, 2), None, "tensorwise")
+        y_ref = float8_bmm(scores.softmax(-1), h, None, "tensorwise").float()
+    else:
+        y_ref = (torch.bmm(h, h.transpose(1, 2)).softmax(-1) @ h).float()
     assert torch.equal(y, y_ref)
     y.sum().backward()
     y_ref.sum().backward()

@@ -112,17 +112,18 @@ def test_every_gemm_is_float8_or_named_with_its_reason(arch):
     assert [(g.op, g.batch) for g in stays] == [("matmul", BATCH * 4)] * 2, stays
     assert all("attention-style batched GEMM" in g.reason for g in stays)
     assert all(g.reason for g in report.gemms)
-    everything = fxamp.explain(MODELS[arch](), ids, opt_level="O1",
-                               float8=fxamp.Float8Config(min_dim=16, batched_activations=True))
-    assert all(g.float8 for g in everything.gemms), everything.gemm_report()
 
 
+@pytest.mark.slow
 def test_eager_attention_trains_in_float8():
-    # q @ k^T and attn @ v in float8 too (one GEMM per (batch, head)), through the backward
+    # with batched_activations=True every GEMM is float8, q @ k^T and attn @ v too (one GEMM
+    # per (batch, head)), through the backward (the default suite's share of this:
+    # tests/test_float8_batched.py, test_compiled_model_runs_its_batched_gemms_in_float8)
     model = _llama(layers=1, attn="eager")
     f8 = fxamp.Float8Config(min_dim=16, batched_activations=True)
     losses = train(3, f8, compiler="aot_eager", model=model)
     assert losses[-1] < losses[0] and all(l == l for l in losses)
     gemms = [n.meta["fxamp_float8"] for g in fxamp.backend_of(model).compiled_graphs
              for n in g.graph_module.graph.nodes if "fxamp_float8" in n.meta]
-    assert sum(g.batch == BATCH * 4 and g.float8 for g in gemms) == 2
+    assert all(g.float8 for g in gemms), [g.reason for g in gemms if not g.float8]
+    assert sum(g.batch == BATCH * 4 for g in gemms) == 2
