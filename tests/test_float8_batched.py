@@ -235,3 +235,14 @@ def test_a_dynamic_batch_size_stays_named():
                for n in g.graph_module.graph.nodes if "fxamp_float8" in n.meta]
     assert [c.reason for c in choices if c.op == "bmm"][-1] == \
         "bmm with a dynamic batch size; stays bf16"
+
+
+def test_a_batched_gemm_in_a_checkpointed_body_is_named_as_such():
+    class Checkpointed(Experts):
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(torch.bmm, x, self.w, use_reentrant=False)
+
+    report = fxamp.explain(Checkpointed(), torch.randn(2, 16, 32), opt_level="O2",
+                           float8=Float8Config(**SMALL))
+    assert [(g.op, g.float8) for g in report.gemms] == [("bmm", False)], report.gemms
+    assert "checkpointed body: not rewritten" in report.gemms[0].reason

@@ -102,7 +102,8 @@ _ATTENTION = ("attention-style batched GEMM (no parameter operand): off by defau
               "by default])")
 
 
-def _refusal(node: fx.Node, ops: GemmOperands, config: AmpConfig) -> Optional[str]:
+def _refusal(node: fx.Node, ops: GemmOperands, config: AmpConfig,
+             rewritable: bool) -> Optional[str]:
     f8, a, b = config.float8, ops.a, ops.b
     if ops.refusal:
         return ops.refusal
@@ -111,7 +112,8 @@ def _refusal(node: fx.Node, ops: GemmOperands, config: AmpConfig) -> Optional[st
     pattern = _skip_pattern(node, f8)
     if pattern:
         return f"skip_modules {pattern!r}"
-    if ops.activations and not f8.batched_activations:
+    # a body's inputs carry no parameter tag: what stays there is said by decide_gemms
+    if ops.activations and not f8.batched_activations and rewritable:
         return _ATTENTION
     if ops.batch > f8.max_batch:
         return f"{ops.batch} batch entries > max_batch={f8.max_batch} (one _scaled_mm each)"
@@ -131,11 +133,12 @@ def _why(ops: GemmOperands, config: AmpConfig) -> str:
     return why
 
 
-def decide(gm: fx.GraphModule, node: fx.Node, config: AmpConfig) -> GemmChoice:
+def decide(gm: fx.GraphModule, node: fx.Node, config: AmpConfig,
+           rewritable: bool = True) -> GemmChoice:
     op, module = GEMM_OPS[node.target], _module(node)[0]
     ops = gemm_operands(gm, node)
     shape = None if ops.a is None else ops.mkn
-    refusal = _refusal(node, ops, config)
+    refusal = _refusal(node, ops, config, rewritable)
     if refusal:
         dtype = short_dtype(_val(node).dtype) if isinstance(_val(node), torch.Tensor) else "-"
         return GemmChoice(op, module, shape, False, f"{refusal}; stays {dtype}", _flops(node),
@@ -149,7 +152,7 @@ def decide_gemms(gm: fx.GraphModule, config: AmpConfig, *, rewritable: bool = Tr
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in GEMM_OPS:
             continue
-        choice = decide(gm, node, config)
+        choice = decide(gm, node, config, rewritable)
         if choice.float8 and not rewritable:
             choice = dataclasses.replace(choice, float8=False, reason="inside a custom "
                                          "autograd.Function or checkpointed body: not rewritten")
