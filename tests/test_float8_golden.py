@@ -10,6 +10,7 @@ import torch
 expecttest = pytest.importorskip("expecttest")
 
 import fxamp
+from fxamp import _compat
 from fxamp.testing import format_graph
 
 
@@ -138,3 +139,26 @@ float8: 2 of 3 GEMMs, 75.0 % of GEMM FLOPs""")
         # input x, is dead code), and the flattened bmm's grad_input and grad_weight
         self.assertEqual(_scaled_mm_operands(report.backward_graphs[0]),
                          4 * [(("torch.float8_e5m2", "torch.float8_e4m3fn"), "torch.bfloat16")])
+
+
+ROWWISE_ON_CPU = _compat.scaled_mm_refusal("cpu", True, torch.bfloat16) is None
+
+
+class TestFloat8GradWeightHpGolden(expecttest.TestCase):
+    @pytest.mark.skipif(not ROWWISE_ON_CPU, reason="torch._scaled_mm has no row-scaled CPU "
+                        "kernel before 2.13")
+    def test_rowwise_with_gw_hp_backward_gemms(self):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False),
+                                    torch.nn.Linear(64, 64, bias=False))
+        report = fxamp.explain(model, torch.randn(16, 64), opt_level="O2",
+                               float8="rowwise_with_gw_hp", backward=True)
+        dtype = lambda n: str(n.meta["val"].dtype).replace("torch.", "")
+        gemms = [f"{n.target.__name__}({dtype(n.args[0])}, {dtype(n.args[1])}) -> {dtype(n)}"
+                 for n in report.backward_graphs[0].graph.nodes
+                 if n.target in (torch.ops.aten._scaled_mm.default, torch.ops.aten.mm.default)]
+        # grad_input of the second layer in float8 (row-scaled gradient, tensor-scaled
+        # weight); both grad_weights in bf16 (the first layer's grad_input is dead: x)
+        self.assertExpectedInline("\n".join(gemms), """\
+_scaled_mm.default(float8_e4m3fn, float8_e4m3fn) -> bfloat16
+mm.default(bfloat16, bfloat16) -> bfloat16
+mm.default(bfloat16, bfloat16) -> bfloat16""")
