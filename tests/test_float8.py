@@ -102,7 +102,13 @@ def test_compiled_model_matches_torchao_bitwise(recipe, compile_kwargs):
     y_ref.float().backward(g)
     assert torch.equal(y, y_ref.float())
     for p, p_ref in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(p.grad, p_ref.grad)
+        if p.ndim == 1 and "compiler" not in compile_kwargs:
+            # A bias gradient is a sum over the batch that Inductor fuses with the activation's
+            # backward, in an order set by the CPU's vector width (bitwise on AVX2, one bf16
+            # unit in the last place apart on AVX-512/AMX machines): within one ulp.
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=2 ** -7, atol=0)
+        else:
+            assert torch.equal(p.grad, p_ref.grad)
 
 
 class TiedLM(torch.nn.Module):
