@@ -141,7 +141,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny models, aot_eager")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--recipe", default="tensorwise", choices=["tensorwise", "rowwise"])
+    parser.add_argument("--recipe", default="tensorwise", choices=list(fxamp.float8.RECIPES))
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", help="write the results here")

@@ -14,6 +14,7 @@ from fxamp import _compat
 from fxamp.arguments import check_compiler
 from fxamp.compiled_call import check_storage
 from fxamp.config import AmpConfig
+from fxamp.distributed import check_ddp_order
 from fxamp.eager_regions import without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
@@ -137,8 +138,6 @@ def _check_active_ddp() -> None:
     # cast the parameters (it would reduce in the old dtype and let the replicas drift).
     ddp = _compat.active_ddp_module()
     if ddp is not None:
-        from fxamp.distributed import check_ddp_order
-
         check_ddp_order(ddp)
 
 

@@ -116,12 +116,18 @@ def _table(rows: list[OpRow]) -> str:
 
 
 def _gemm_table(gemms: list[GemmChoice]) -> str:
-    header = ("op", "module", "M x K x N", "runs in", "why")
-    body = [(g.op, g.module, "x".join(map(str, g.shape)) if g.shape else "-",
+    header = ("op", "module", "[B*]M x K x N", "runs in", "why")
+    body = [(g.op, g.module, _gemm_shape(g),
              "float8" if g.float8 else "-", g.reason) for g in gemms]
     widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(4)]
     fmt = lambda row: "  ".join(str(v).ljust(w) for v, w in zip(row, widths)) + "  " + row[4]
     return "\n".join([fmt(header), *(fmt(r) for r in body)])
+
+
+def _gemm_shape(g: GemmChoice) -> str:
+    if g.shape is None:
+        return "-"
+    return (f"{g.batch}*" if g.batch else "") + "x".join(map(str, g.shape))
 
 
 def _gemms(gm: fx.GraphModule) -> list[GemmChoice]:

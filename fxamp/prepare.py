@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,7 +24,7 @@ from fxamp.cast_model import CastRecord, boundary_forward, cast_model
 from fxamp.compiled_call import CompiledCall, fxamp_error
 from fxamp.config import AmpConfig
 from fxamp.copies import forget_copyable, make_copyable
-from fxamp.eager_regions import warn_untraced, with_policy_autocast
+from fxamp.eager_regions import untraced_modules, warn_untraced, with_policy_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import attach_history, detach_history
@@ -178,7 +179,8 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     forward = boundary_forward(model, fxamp_backend.config)
     compiled = with_policy_autocast(
         torch.compile(forward, backend=fxamp_backend, dynamic=settings.dynamic,
-                      fullgraph=settings.fullgraph), fxamp_backend.config)
+                      fullgraph=settings.fullgraph), fxamp_backend.config,
+        recurrent=functools.cache(lambda: bool(untraced_modules(model))))
 
     def unprepare() -> None:
         record.undo()

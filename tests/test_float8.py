@@ -18,8 +18,10 @@ from fxamp.float8 import Float8Config
 from fxamp.float8.gemm import float8_linear
 
 ROWWISE_ON_CPU = _compat.scaled_mm_refusal("cpu", True, torch.bfloat16) is None
-RECIPES = ["tensorwise", pytest.param("rowwise", marks=pytest.mark.skipif(
-    not ROWWISE_ON_CPU, reason="torch._scaled_mm has no row-scaled CPU kernel before 2.13"))]
+_NO_ROWWISE = pytest.mark.skipif(not ROWWISE_ON_CPU, reason="torch._scaled_mm has no "
+                                 "row-scaled CPU kernel before 2.13")
+RECIPES = ["tensorwise", pytest.param("rowwise", marks=_NO_ROWWISE)]
+ALL_RECIPES = [*RECIPES, pytest.param("rowwise_with_gw_hp", marks=_NO_ROWWISE)]
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -86,7 +88,7 @@ COMPILERS = [dict(compiler="aot_eager"), dict(options={"emulate_precision_casts"
 
 
 @pytest.mark.parametrize("compile_kwargs", COMPILERS, ids=["aot_eager", "inductor"])
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", ALL_RECIPES)
 def test_compiled_model_matches_torchao_bitwise(recipe, compile_kwargs):
     ao = _torchao()
     model = _mlp().to(torch.bfloat16)
@@ -100,7 +102,13 @@ def test_compiled_model_matches_torchao_bitwise(recipe, compile_kwargs):
     y_ref.float().backward(g)
     assert torch.equal(y, y_ref.float())
     for p, p_ref in zip(model.parameters(), ref.parameters()):
-        assert torch.equal(p.grad, p_ref.grad)
+        if p.ndim == 1 and "compiler" not in compile_kwargs:
+            # A bias gradient is a sum over the batch that Inductor fuses with the activation's
+            # backward, in an order set by the CPU's vector width (bitwise on AVX2, one bf16
+            # unit in the last place apart on AVX-512/AMX machines): within one ulp.
+            torch.testing.assert_close(p.grad, p_ref.grad, rtol=2 ** -7, atol=0)
+        else:
+            assert torch.equal(p.grad, p_ref.grad)
 
 
 class TiedLM(torch.nn.Module):
@@ -139,7 +147,7 @@ def test_functional_gemms_are_reached():
           if n.target is torch.ops.aten._scaled_mm.default]
     assert len(fw) == 5 and len(bw) == 10
     assert 0 < report.float8_flop_share < 1
-    assert "bmm: a batched GEMM" in str(report)
+    assert "attention-style batched GEMM" in str(report)  # h @ h^T: no parameter operand
 
 
 def test_tied_lm_head_trains_in_float8():

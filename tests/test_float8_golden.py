@@ -10,6 +10,7 @@ import torch
 expecttest = pytest.importorskip("expecttest")
 
 import fxamp
+from fxamp import _compat
 from fxamp.testing import format_graph
 
 
@@ -95,3 +96,69 @@ return [None, t_13, t_5]""")
         # the weight gradient of fc1 is one e5m2 x e4m3 GEMM with a bf16 result
         self.assertEqual(_scaled_mm_operands(report.backward_graphs[0]),
                          [(("torch.float8_e5m2", "torch.float8_e4m3fn"), "torch.bfloat16")])
+
+
+class Batched(torch.nn.Module):
+    """A grouped expert GEMM, a linear written as a bmm of an expanded weight, and an
+    attention-style bmm (Note [Batched float8 GEMMs])."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = torch.nn.Parameter(torch.randn(2, 32, 16))
+        self.proj = torch.nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        h = torch.bmm(x, self.experts)
+        h = torch.bmm(h, self.proj.expand(2, 16, 16))
+        return torch.bmm(h, h.transpose(1, 2))
+
+
+class TestFloat8BatchedGolden(expecttest.TestCase):
+    def test_batched_tensorwise(self):
+        report = fxamp.explain(Batched(), torch.randn(2, 16, 32), opt_level="O2",
+                               float8=fxamp.Float8Config(min_dim=16), backward=True)
+        self.assertExpectedInline(format_graph(report.graphs[0].graph_module), """\
+args_0: f32[2,16,32]
+experts: bf16[2,32,16]
+proj: bf16[16,16]
+to: bf16[2,16,32] = to.dtype(args_0, bf16)  # fxamp boundary
+float8_bmm: bf16[2,16,16] = float8_bmm(to, experts, None, 'tensorwise')
+float8_bmm_1: bf16[2,16,16] = float8_bmm(float8_bmm, proj, None, 'tensorwise')
+transpose: bf16[2,16,16] = transpose.int(float8_bmm_1, 1, 2)
+bmm_2: bf16[2,16,16] = bmm(float8_bmm_1, transpose)
+to_1: f32[2,16,16] = to.dtype(bmm_2, f32)  # fxamp boundary
+return [to_1]""")
+        self.assertExpectedInline(report.gemm_report(), """\
+== GEMMs (float8 tensorwise, dynamic scaling) ==
+op   module  [B*]M x K x N  runs in  why
+bmm  <root>  2*16x32x16     float8   tensorwise: e4m3 x e4m3, grad e5m2, bf16 out; 2 GEMMs, one per batch entry, scaled per entry
+bmm  <root>  32x16x16       float8   tensorwise: e4m3 x e4m3, grad e5m2, bf16 out; one flattened GEMM (the right operand has one batch entry)
+bmm  <root>  2*16x16x16     -        attention-style batched GEMM (no parameter operand): off by default, batched_activations=True includes it (Note [Attention-style batched GEMMs stay by default]); stays bf16
+float8: 2 of 3 GEMMs, 75.0 % of GEMM FLOPs""")
+        # backward: the experts' grad_weight, one GEMM per entry (their grad_input, for the
+        # input x, is dead code), and the flattened bmm's grad_input and grad_weight
+        self.assertEqual(_scaled_mm_operands(report.backward_graphs[0]),
+                         4 * [(("torch.float8_e5m2", "torch.float8_e4m3fn"), "torch.bfloat16")])
+
+
+ROWWISE_ON_CPU = _compat.scaled_mm_refusal("cpu", True, torch.bfloat16) is None
+
+
+class TestFloat8GradWeightHpGolden(expecttest.TestCase):
+    @pytest.mark.skipif(not ROWWISE_ON_CPU, reason="torch._scaled_mm has no row-scaled CPU "
+                        "kernel before 2.13")
+    def test_rowwise_with_gw_hp_backward_gemms(self):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False),
+                                    torch.nn.Linear(64, 64, bias=False))
+        report = fxamp.explain(model, torch.randn(16, 64), opt_level="O2",
+                               float8="rowwise_with_gw_hp", backward=True)
+        dtype = lambda n: str(n.meta["val"].dtype).replace("torch.", "")
+        gemms = [f"{n.target.__name__}({dtype(n.args[0])}, {dtype(n.args[1])}) -> {dtype(n)}"
+                 for n in report.backward_graphs[0].graph.nodes
+                 if n.target in (torch.ops.aten._scaled_mm.default, torch.ops.aten.mm.default)]
+        # grad_input of the second layer in float8 (row-scaled gradient, tensor-scaled
+        # weight); both grad_weights in bf16 (the first layer's grad_input is dead: x)
+        self.assertExpectedInline("\n".join(gemms), """\
+_scaled_mm.default(float8_e4m3fn, float8_e4m3fn) -> bfloat16
+mm.default(bfloat16, bfloat16) -> bfloat16
+mm.default(bfloat16, bfloat16) -> bfloat16""")

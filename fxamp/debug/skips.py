@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp.errors import ConfigError
+from fxamp.optim import FP16_Optimizer, FusedOptimizer, LossScaler
 
 __all__ = ["SkipMonitor"]
 
@@ -25,14 +26,10 @@ _SKIPPED, _RUN, _LONGEST = 0, 1, 2
 
 
 def _check_flag(optimizer: Any) -> None:
-    if not isinstance(getattr(optimizer, "found_inf", None), torch.Tensor):
+    if not isinstance(optimizer, (FusedOptimizer, FP16_Optimizer)):
         raise ConfigError(f"{type(optimizer).__name__} has no device overflow flag (found_inf): "
                           "SkipMonitor works with fxamp's optimizers (fxamp.optim.Adam, AdamW, "
                           "SGD, LAMB, FP16_Optimizer, initialize's)")
-
-
-def _is_scaler(value: Any) -> bool:
-    return hasattr(value, "scale_tensor") and hasattr(value, "get_scale")
 
 
 class SkipMonitor:
@@ -49,7 +46,7 @@ class SkipMonitor:
     Args:
         optimizer: an fxamp optimizer (its `found_inf` flag is read).
         scaler: the LossScaler whose scale to report; default: the one passed to `step`, else
-            the optimizer's own (`loss_scalers[0]`, `loss_scaler`).
+            the optimizer's own (`loss_scalers[0]`).
         every: read the counters back every `every` steps (one host read), at most one log
             line each time; 1 reads every step.
         level: the logging level of the line (WARNING by default).
@@ -85,7 +82,7 @@ class SkipMonitor:
 
     def _after_step(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         # torch passes the step's own arguments, `self` first: step(scaler) names the scaler.
-        scaler = next((a for a in (*args[1:], *kwargs.values()) if _is_scaler(a)), None)
+        scaler = next((a for a in (*args[1:], *kwargs.values()) if isinstance(a, LossScaler)), None)
         self._step_scaler = scaler or self._step_scaler
         self.update()
 
@@ -106,9 +103,8 @@ class SkipMonitor:
         return int(self._counts[_SKIPPED])
 
     def _scaler(self) -> Any:
-        opt = self.optimizer
-        owned = getattr(opt, "loss_scalers", None) or [getattr(opt, "loss_scaler", None)]
-        return self.scaler or self._step_scaler or owned[0]
+        owned = self.optimizer.loss_scalers  # FP16_Optimizer's own, or initialize's
+        return self.scaler or self._step_scaler or (owned[0] if owned else None)
 
     def _read(self) -> None:
         scaler = self._scaler()

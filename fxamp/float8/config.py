@@ -1,11 +1,13 @@
 """Float8 training as configuration: the recipes (data) and `Float8Config` (validated, frozen).
 
 A recipe says, for the three GEMMs of a matmul (the output, grad_input and grad_weight), which
-float8 dtype each operand is cast to and at which granularity its scale is computed. The two
+float8 dtype each operand is cast to and at which granularity its scale is computed. The
 recipes are torchao's (`torchao.float8.Float8LinearConfig.from_recipe_name`): `tensorwise`
-(one scale per tensor, e4m3 forward operands and e5m2 gradients) and `rowwise` (one scale per
+(one scale per tensor, e4m3 forward operands and e5m2 gradients), `rowwise` (one scale per
 row of the left operand and per column of the right one, over the contraction dim, e4m3
-everywhere, scales rounded down to powers of two).
+everywhere, scales rounded down to powers of two) and `rowwise_with_gw_hp` (rowwise for the
+output GEMM; grad_input from a rowwise gradient and a tensorwise weight; the grad_weight GEMM
+in the model's dtype, not float8).
 """
 
 from __future__ import annotations
@@ -29,11 +31,14 @@ class Recipe:
     """The float8 dtypes and scale granularity of one recipe (torchao's semantics).
 
     Attributes:
-        name: "tensorwise" or "rowwise".
+        name: "tensorwise", "rowwise" or "rowwise_with_gw_hp".
         input, weight, grad_output: float8 dtypes of the three GEMM operands.
         rowwise: scales per row/column over the contraction dim, else one per tensor.
         pow2_scales: round every scale down to a power of two.
         fast_accum_output: `use_fast_accum` of the output GEMM (the gradient GEMMs never).
+        weight_tensorwise_for_grad_input: the weight of the grad_input GEMM gets one scale
+            for the tensor even in a rowwise recipe.
+        grad_weight_hp: the grad_weight GEMM runs in the operands' own dtype, not float8.
     """
 
     name: str
@@ -43,11 +48,16 @@ class Recipe:
     rowwise: bool
     pow2_scales: bool
     fast_accum_output: bool = True
+    weight_tensorwise_for_grad_input: bool = False
+    grad_weight_hp: bool = False
 
 
 RECIPES: dict[str, Recipe] = {
     "tensorwise": Recipe("tensorwise", E4M3, E4M3, E5M2, rowwise=False, pow2_scales=False),
     "rowwise": Recipe("rowwise", E4M3, E4M3, E4M3, rowwise=True, pow2_scales=True),
+    "rowwise_with_gw_hp": Recipe("rowwise_with_gw_hp", E4M3, E4M3, E4M3, rowwise=True,
+                                 pow2_scales=True, weight_tensorwise_for_grad_input=True,
+                                 grad_weight_hp=True),
 }
 
 
@@ -56,13 +66,17 @@ class Float8Config:
     """Which GEMMs run in float8, and how.
 
     Attributes:
-        recipe: "tensorwise" or "rowwise" (`RECIPES`).
+        recipe: "tensorwise", "rowwise" or "rowwise_with_gw_hp" (`RECIPES`).
         scaling: "dynamic" (scales from the tensor itself, every step) or "delayed" (scales
             from an amax history kept in device buffers; tensorwise only).
         history_len: length of the amax history for delayed scaling.
         skip_modules: module paths (fnmatch globs such as "layers.*.attn.*") or class names
             whose GEMMs stay in the model dtype (torchao's `module_filter_fn`, as data).
         min_dim: GEMMs whose K or N is smaller stay in the model dtype (too small to gain).
+        batched_activations: batched GEMMs between two activations (attention's q @ k^T and
+            attn @ v) run in float8 too; off by default (Note [Batched float8 GEMMs]).
+        max_batch: batched GEMMs with more entries stay in the model dtype (each entry is
+            one `torch._scaled_mm` call in the graph).
     """
 
     recipe: str = "tensorwise"
@@ -70,6 +84,8 @@ class Float8Config:
     history_len: int = 16
     skip_modules: tuple[str, ...] = ()
     min_dim: int = 64
+    batched_activations: bool = False
+    max_batch: int = 64
 
     def __post_init__(self) -> None:
         if isinstance(self.skip_modules, list):
@@ -83,7 +99,10 @@ class Float8Config:
         if self.scaling == "delayed" and self.recipe != "tensorwise":
             raise ConfigError(f"float8 scaling='delayed' works with recipe='tensorwise', not "
                               f"{self.recipe!r} (one amax per tensor is what a history keeps)")
-        for name in ("history_len", "min_dim"):
+        if type(self.batched_activations) is not bool:
+            raise ConfigError(f"float8 batched_activations={self.batched_activations!r} must "
+                              "be True or False")
+        for name in ("history_len", "min_dim", "max_batch"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:
                 raise ConfigError(f"float8 {name}={value!r} must be a positive int")
@@ -103,8 +122,8 @@ def as_float8_config(value: Union[None, str, Float8Config]) -> Optional[Float8Co
         return value
     if isinstance(value, str):
         return Float8Config(recipe=value)
-    raise ConfigError(f"float8={value!r} must be None, a recipe name ('tensorwise', "
-                      "'rowwise') or a fxamp.Float8Config")
+    raise ConfigError(f"float8={value!r} must be None, a recipe name "
+                      f"({', '.join(map(repr, RECIPES))}) or a fxamp.Float8Config")
 
 
 def check_float8_support(f8: Optional[Float8Config], device_type: str,

@@ -42,11 +42,14 @@ class Float8History:
         # A copy retraces its graphs from the first, so it names them as the original did.
         return {**self.__dict__, "graphs_traced": 0}
 
-    def get(self, name: str) -> torch.Tensor:
-        """The buffer PREFIX + name of the model, created (zeros: nothing seen yet) if new."""
+    def get(self, name: str, entries: int = 0) -> torch.Tensor:
+        """The buffer PREFIX + name of the model, created (zeros: nothing seen yet) if new:
+        [history_len], or [history_len, entries] for a batched GEMM's operand (one history
+        per batch entry, Note [Batched float8 GEMMs])."""
         full = PREFIX + name
         if full not in dict(self.model.named_buffers(recurse=False)):
-            self.model.register_buffer(full, torch.zeros(self.history_len, device=self.device))
+            shape = (self.history_len, entries) if entries else (self.history_len,)
+            self.model.register_buffer(full, torch.zeros(shape, device=self.device))
         return self.model.get_buffer(full)
 
 
@@ -55,7 +58,8 @@ def _create_loaded(model: torch.nn.Module, state_dict, prefix, *args) -> None:
     for key in state_dict:
         name = key[len(prefix):]
         if history is not None and key.startswith(prefix + PREFIX) and "." not in name:
-            history.get(name[len(PREFIX):])
+            saved = state_dict[key]
+            history.get(name[len(PREFIX):], saved.shape[1] if saved.dim() == 2 else 0)
 
 
 def attach_history(model: torch.nn.Module, f8: Optional[Float8Config]):

@@ -11,11 +11,31 @@ joint graph instead would have to recognise the two backward mms that autograd d
 forward one; here they are written, not recognised. The math is torchao's
 (`torchao.float8.float8_linear.matmul_with_hp_or_float8_args`), operand for operand, so both
 give the same bits (tests/test_float8.py compares them).
+
+Note [Batched float8 GEMMs]: `torch._scaled_mm` multiplies 2-D operands only (2.11 to 2.14,
+CPU and CUDA: "mat1 must be a matrix"); `torch._scaled_grouped_mm` takes 3-D ones but has no
+CPU kernel (checked on 2.11, 2.13, 2.14.1) and needs sm90+ on CUDA. So a batched GEMM
+(`bmm`, `baddbmm`, `matmul` of >= 3-D operands) becomes one of two things:
+- a flattened linear, when its right operand has a single batch entry (an `expand` of a 2-D
+  weight, or [1, K, N]): a [B*M, K] @ [K, N] GEMM, exactly the linear path, delayed scaling
+  included, and the weight's gradient summed over the batch by the GEMM itself;
+- otherwise one `_scaled_mm` per batch entry, unrolled when the graph is traced (the batch
+  size is static there), the results stacked. Scales are per batch entry (tensorwise: one per
+  [M, K] / [K, N] matrix; rowwise: per row/column of each entry): each entry is its own GEMM,
+  and one scale for the whole batch would let the largest entry (one head, one expert) set
+  the resolution of all the others. The casts and amax reductions are loop-free (one
+  reduction over the last two dims); only the GEMMs are unrolled. The loop-free alternatives
+  lose: a block-diagonal 2-D GEMM does B times the FLOPs, and dequantizing into a bf16 `bmm`
+  rounds like float8 but computes in bf16. Delayed scaling keeps one history per batch entry
+  (a [history_len, B] buffer), for the same reason. `Float8Config.max_batch` (default 64) bounds the unrolling; attention's
+  batched GEMMs (both operands activations) stay in the model dtype unless
+  `batched_activations=True` (fxamp/passes/float8_operands.py says why). On CUDA,
+  `_scaled_grouped_mm` could replace the loop: open work, untested here (no GPU).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -23,18 +43,38 @@ from fxamp._compat import scaled_mm
 from fxamp.float8.config import RECIPES, Recipe
 from fxamp.float8.scaling import amax_to_scale, cast_to_float8, delayed_scale
 
-__all__ = ["Float8MM", "float8_linear", "float8_matmul", "float8_mm"]
+__all__ = ["Float8MM", "float8_bmm", "float8_linear", "float8_matmul", "float8_mm"]
 
 
-def _operand(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, contract_dim: int,
-             scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+class Scaled(NamedTuple):
+    """A float8 operand, its scale (the cast's multiplier) and whether that is per row/column
+    (else one per tensor, or per batch entry)."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    rowwise: bool
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    # The last two dims swapped (`.t()` on 2-D, so 2-D GEMMs keep their graphs).
+    return x.t() if x.dim() == 2 else x.transpose(-2, -1)
+
+
+def _operand(x: torch.Tensor, dtype: torch.dtype, recipe: Recipe, left: bool,
+             scale: Optional[torch.Tensor] = None, rowwise: Optional[bool] = None) -> Scaled:
     # The scale runs over the contraction dim: per row of a left operand (dim -1), per column
-    # of a right one (dim 0); one per tensor for tensorwise. A given scale: delayed scaling.
+    # of a right one (dim -2); one per tensor for tensorwise, one per batch entry of a batched
+    # operand (Note [Batched float8 GEMMs]). A given scale: delayed scaling.
+    rowwise = recipe.rowwise if rowwise is None else rowwise
     if scale is None:
-        amax = (x.abs().amax(dim=contract_dim, keepdim=True) if recipe.rowwise
-                else torch.max(torch.abs(x)))
+        if rowwise:
+            amax = x.abs().amax(dim=-1 if left else x.dim() - 2, keepdim=True)
+        elif x.dim() == 2:
+            amax = torch.max(torch.abs(x))
+        else:
+            amax = x.abs().amax(dim=(-2, -1), keepdim=True)
         scale = amax_to_scale(amax, dtype, recipe.pow2_scales)
-    return cast_to_float8(x, scale, dtype), scale
+    return Scaled(cast_to_float8(x, scale, dtype), scale, rowwise)
 
 
 def _row_major(x: torch.Tensor) -> bool:
@@ -47,6 +87,12 @@ def float8_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
     a = a if _row_major(a) else a.contiguous()  # _scaled_mm: a row-major, b column-major
     b = b.t().contiguous().t() if _row_major(b) else b
     inv_a, inv_b = scale_a.reciprocal(), scale_b.reciprocal()
+    if inv_a.dim() != inv_b.dim():
+        # one row-scaled operand, one tensor-scaled (rowwise_with_gw_hp's grad_input):
+        # _scaled_mm takes both or neither, so the single scale is repeated (torchao's
+        # preprocess_addmm)
+        inv_a = inv_a if inv_a.dim() == 2 else inv_a.repeat(a.shape[0]).reshape(-1, 1)
+        inv_b = inv_b if inv_b.dim() == 2 else inv_b.repeat(b.shape[1]).reshape(1, -1)
     rowwise = inv_a.dim() == 2
     post = None
     if rowwise and not fast_accum:
@@ -61,11 +107,24 @@ def float8_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
     return out.to(out_dtype)
 
 
+def _entry(s: Scaled, i: int) -> torch.Tensor:
+    return s.scale[i] if s.rowwise else s.scale[i].reshape(())
+
+
+def _gemm(a: Scaled, b: Scaled, out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    if a.data.dim() == 2:
+        return float8_mm(a.data, a.scale, b.data, b.scale, out_dtype, fast_accum)
+    # Note [Batched float8 GEMMs]: one 2-D _scaled_mm per batch entry, unrolled at trace time.
+    return torch.stack([float8_mm(a.data[i], _entry(a, i), b.data[i], _entry(b, i), out_dtype,
+                                  fast_accum) for i in range(a.data.shape[0])])
+
+
 class Float8MM(torch.autograd.Function):
-    """a [M, K] @ b [K, N] with all three GEMMs in float8 (Note [Float8 GEMMs are an
-    autograd.Function in the graph]). Saves the high-precision operands, as torchao does.
-    With amax histories (delayed scaling, tensorwise) a and b are scaled from them, in the
-    backward GEMMs too (Note [Delayed scaling lives in the model])."""
+    """a [M, K] @ b [K, N] (or batched: a [B, M, K] @ b [B, K, N]) with all three GEMMs in
+    float8 (Note [Float8 GEMMs are an autograd.Function in the graph]), the grad_weight one in
+    the operands' dtype for recipes with `grad_weight_hp`. Saves the high-precision operands,
+    as torchao does. With amax histories (delayed scaling, tensorwise) a and b are scaled
+    from them, in the backward GEMMs too (Note [Delayed scaling lives in the model])."""
 
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, recipe: str,
@@ -76,24 +135,30 @@ class Float8MM(torch.autograd.Function):
         if history_a is not None:
             scale_a = delayed_scale(a, history_a, r.input)
             scale_b = delayed_scale(b, history_b, r.weight)
-        a8, sa = _operand(a, r.input, r, -1, scale_a)
-        b8, sb = _operand(b, r.weight, r, 0, scale_b)
-        ctx.save_for_backward(a, b, *((sa, sb) if history_a is not None else ()))
+        a8, b8 = _operand(a, r.input, r, True, scale_a), _operand(b, r.weight, r, False, scale_b)
+        ctx.save_for_backward(a, b, *((a8.scale, b8.scale) if history_a is not None else ()))
         ctx.recipe = r
-        return float8_mm(a8, sa, b8, sb, a.dtype, r.fast_accum_output)
+        return _gemm(a8, b8, a.dtype, r.fast_accum_output)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         a, b, *delayed = ctx.saved_tensors
         r = ctx.recipe
         scale_a, scale_b = delayed or (None, None)
-        g8, sg = _operand(grad, r.grad_output, r, -1)
-        bt8, sbt = _operand(b.t(), r.weight, r, 0, scale_b)
-        grad_a = float8_mm(g8, sg, bt8, sbt, grad.dtype, False)
-        gt8, sgt = _operand(grad.t(), r.grad_output, r, -1)
-        a8, sa = _operand(a, r.input, r, 0, scale_a)
-        grad_b = float8_mm(gt8, sgt, a8, sa, grad.dtype, False).t()
+        g8 = _operand(grad, r.grad_output, r, True)
+        bt8 = _operand(_t(b), r.weight, r, False, scale_b,
+                       rowwise=r.rowwise and not r.weight_tensorwise_for_grad_input)
+        grad_a = _gemm(g8, bt8, grad.dtype, False)
+        if r.grad_weight_hp:
+            return grad_a, _t(_hp_mm(_t(grad), a)), None, None, None
+        gt8 = _operand(_t(grad), r.grad_output, r, True)
+        a8 = _operand(a, r.input, r, False, scale_a)
+        grad_b = _t(_gemm(gt8, a8, grad.dtype, False))
         return grad_a, grad_b, None, None, None
+
+
+def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, b) if a.dim() == 2 else torch.bmm(a, b)
 
 
 def float8_matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
@@ -110,3 +175,26 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
                   history_w: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` in float8: torchao's `Float8Linear.forward`."""
     return float8_matmul(x, weight.t(), bias, recipe, history_x, history_w)
+
+
+def float8_bmm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
+               history_a: Optional[torch.Tensor] = None,
+               history_b: Optional[torch.Tensor] = None, *, alpha: float = 1,
+               beta: float = 1) -> torch.Tensor:
+    """`beta * bias + alpha * (a @ b)` for batched a [..., M, K] and b [..., K, N] in float8
+    (bmm, baddbmm, batched matmul; Note [Batched float8 GEMMs]). A `b` with a single batch
+    entry (the source of a broadcast: a linear written as a bmm) is one flattened 2-D GEMM,
+    in b's dtype cast to a's; otherwise each batch entry is its own GEMM."""
+    k, n = b.shape[-2:]
+    if b.shape[:-2].numel() == 1:
+        out = Float8MM.apply(a.reshape(-1, k), b.reshape(k, n).to(a.dtype), recipe, history_a,
+                             history_b)
+        out = out.reshape(*a.shape[:-1], n)
+    else:
+        out = Float8MM.apply(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n), recipe,
+                             history_a, history_b)
+        out = out.reshape(*a.shape[:-1], n)
+    out = out if alpha == 1 else out * alpha
+    if bias is None:
+        return out
+    return out + (bias.to(out.dtype) if beta == 1 else beta * bias.to(out.dtype))

@@ -1,6 +1,7 @@
 """Apex amp's entry points for people migrating: initialize, master_params and the amp state
 dict (scale_loss is in scale_loss.py), with no global state: the loss scalers live on the
-optimizers `initialize` returns, shared by all of them (Apex's `_amp_state.loss_scalers`)."""
+optimizers `initialize` returns (`set_loss_scalers`), shared by all of them (Apex's
+`_amp_state.loss_scalers`)."""
 
 from __future__ import annotations
 
@@ -148,9 +149,7 @@ def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossSc
         log.info("%s has no fused fxamp counterpart: wrapping it in FP16_Optimizer (one host "
                  "read per step unless built with fused=True)", type(opt).__name__)
         new = FP16_Optimizer(opt, static_loss_scale=1.0, compile=compile)
-    new.loss_scalers = scalers
-    if isinstance(new, FP16_Optimizer):
-        new.loss_scaler = scalers[0]
+    new.set_loss_scalers(scalers)
     return new
 
 

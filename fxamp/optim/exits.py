@@ -48,7 +48,7 @@ def resolve(scaler: Any) -> Optional[torch.Tensor]:
     if not optimizers:
         return None
     scaler.pending_exit = None
-    flag = torch.zeros((), dtype=torch.bool, device=optimizers[0]._device)
+    flag = torch.zeros((), dtype=torch.bool, device=optimizers[0].folding.device)
     for opt in optimizers:
         opt.fold_exit(scaler, flag)
     for opt in optimizers:
@@ -58,7 +58,7 @@ def resolve(scaler: Any) -> Optional[torch.Tensor]:
 
 
 def _exit_of(opt: Any) -> Optional[tuple]:
-    scaler = opt._raw_scaler
+    scaler = opt.folding.raw_scaler
     exit_ = None if scaler is None else getattr(scaler, "pending_exit", None)
     return exit_ if exit_ and any(o is opt for o in exit_) else None
 
@@ -66,17 +66,17 @@ def _exit_of(opt: Any) -> Optional[tuple]:
 def resolve_for(opt: Any) -> None:
     """Resolve the exit `opt`'s raw gradients wait in, if any."""
     if _exit_of(opt) is not None:
-        resolve(opt._raw_scaler)
+        resolve(opt.folding.raw_scaler)
 
 
 def settle(opt: Any) -> None:
     """Before `opt` steps: resolve its exit unless its fused step can take it whole."""
     exit_ = _exit_of(opt)
-    if exit_ is not None and not (len(exit_) == 1 and opt.folds_nothing()):
-        resolve(opt._raw_scaler)
+    if exit_ is not None and not (len(exit_) == 1 and opt.folding.folds_nothing()):
+        resolve(opt.folding.raw_scaler)
 
 
 def take(opt: Any) -> None:
     """`opt`'s step checks, unscales and moves the scale of the exit it alone was in."""
     if _exit_of(opt) is not None:
-        opt._raw_scaler.pending_exit = None
+        opt.folding.raw_scaler.pending_exit = None

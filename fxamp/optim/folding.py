@@ -1,14 +1,24 @@
-"""Folding gradients that carry different loss scales: the bookkeeping FusedOptimizer and
-FP16_Optimizer share.
+"""Folding gradients that carry different loss scales: the state FusedOptimizer and
+FP16_Optimizer each compose (`opt.folding`), and the rule for which scaler a step divides by.
 
 Raw gradients carry the scale of the loss whose backward produced them. When a backward with
 another scaler is about to add to them (several losses), or when several optimizers must skip
 together (one loss over several optimizers), they are folded: added, unscaled, to fp32 buffers
-by `fused_step.fold_grads`, which ORs their overflow into the scaler's flag for this step. The
-optimizer remembers the scalers it folded; at its step it skips if any of them saw an overflow,
-then lets each scaler move by its own flag (once, after the last optimizer of the round).
-`scale_loss` exits fold with a flag of their own instead, and move the scaler when they are
-resolved (Note [Apex's scale_loss exits] in exits.py).
+by `fused_step.fold_grads`, which ORs their overflow into the flag of the scaler's `FoldRound`.
+The optimizer remembers the scalers it folded; at its step it skips if any of them saw an
+overflow, then leaves their rounds, and each scaler moves by its own flag once the last
+optimizer of its round has left. `scale_loss` exits fold with a flag of their own instead, and
+move the scaler when they are resolved (Note [Apex's scale_loss exits] in exits.py).
+
+# Note [Which scaler a step divides by]
+One rule, `GradientFolding.scaler_for`, for `step`, `unscale_`, `fxamp.optim.unscale_` and
+`master_params`: the scaler whose scale the raw gradients carry, which is (1) the one the last
+backward through `scale_loss` (or FP16_Optimizer.backward) used; else (2) the scaler passed to
+the call; else (3) the first of the optimizer's `loss_scalers` (initialize's, see
+`set_loss_scalers`); none of (2) and (3) once `scale_loss` exits have folded the gradients
+(they carry no scale any more, and their scaler moved already). No scaler at all: the gradients
+are taken as unscaled, after `scaled_graphs.check_no_pending_scale` has made sure that no
+scaled backward reached them. `unscale_(scaler)` given a scaler divides by that one.
 """
 
 from __future__ import annotations
@@ -17,81 +27,138 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from fxamp.optim import exits, fused_step
+from fxamp.errors import ConfigError
+from fxamp.optim import fused_step
 from fxamp.optim.loss_scaler import LossScaler
 
-__all__ = ["GradientFolding"]
+__all__ = ["GradientFolding", "FoldRound"]
+
+
+class FoldRound:
+    """One scaler's folds between two moves of its scale: the overflow flag every fold ORs
+    into, and the optimizers' foldings that took part and have not stepped yet."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.found = torch.zeros((), dtype=torch.bool, device=device)
+        self.members: list[GradientFolding] = []
+
+    def join(self, folding: "GradientFolding") -> None:
+        if not any(m is folding for m in self.members):
+            self.members.append(folding)
+
+    def leave(self, folding: "GradientFolding", scaler: LossScaler) -> None:
+        """`folding` stepped (or dropped its gradients); the last one to leave moves the scale
+        by the round's flag and starts the next round."""
+        self.members = [m for m in self.members if m is not folding]
+        if not self.members:
+            scaler.update(self.found)
+            self.found.zero_()
+
+
+def round_of(scaler: LossScaler, device: torch.device) -> FoldRound:
+    """`scaler`'s current FoldRound, on `device`."""
+    scaler.state_tensors(device)
+    current = scaler.fold_round
+    if current is None:
+        current = scaler.fold_round = FoldRound(device)
+    elif current.found.device != torch.device(device):
+        current.found = current.found.to(device)
+    return current
 
 
 class GradientFolding:
-    """Mixin: the subclass calls `_init_folding` and sets `_device`."""
+    """The folding state of one optimizer: which scale its raw gradients carry, which scalers
+    it folded this step, and the flags of the `scale_loss` exits it took part in.
 
-    _device: torch.device
+    Args:
+        fold_fn: `fused_step`'s compiled (or eager) `fold_grads`.
+        device: where the optimizer's buffers are.
+    """
 
-    def _init_folding(self, fold_fn: Callable) -> None:
+    def __init__(self, fold_fn: Callable, device: torch.device) -> None:
+        self.device = device
+        self.loss_scalers: tuple[LossScaler, ...] = ()  # initialize's, one per loss_id
+        self.raw_scaler: Optional[LossScaler] = None  # the scale the raw gradients carry
         self._fold_fn = fold_fn
-        self._raw_scaler: Optional[LossScaler] = None  # the scale the raw gradients carry
         self._involved: list[LossScaler] = []  # scalers folded into the fp32 grads this step
         self._exit_flags: list[torch.Tensor] = []  # overflow flags of this step's resolved exits
 
-    def fold_pending(self) -> None:
-        """Fold the raw gradients with the scale they carry (the subclass knows where to)."""
-        raise NotImplementedError
+    def set_loss_scalers(self, scalers: Sequence[LossScaler], owner: str) -> None:
+        scalers = tuple(scalers)
+        if not scalers or not all(isinstance(s, LossScaler) for s in scalers):
+            raise ConfigError(f"{owner}.set_loss_scalers takes a non-empty list of "
+                              f"fxamp.optim.LossScaler, not {scalers!r}")
+        self.loss_scalers = scalers
 
-    def _fold_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(raw gradients, the fp32 buffers they fold into), ready to fold."""
-        raise NotImplementedError
+    def scaler_for(self, given: Optional[LossScaler] = None, *,
+                   default: bool = True) -> Optional[LossScaler]:
+        """The scaler the raw gradients carry (Note [Which scaler a step divides by]);
+        `default=False` leaves out initialize's first scaler (rule 3)."""
+        if self.raw_scaler is not None:
+            return self.raw_scaler
+        if self._exit_flags:
+            return None
+        if given is not None or not default:
+            return given
+        return self.loss_scalers[0] if self.loss_scalers else None
 
-    def before_backward(self, scaler: LossScaler) -> None:
-        """Called by scale_loss: resolve the exit the raw gradients wait in, and fold raw
-        gradients that carry another scaler's scale."""
-        exits.resolve_for(self)
-        if self._raw_scaler is not None and self._raw_scaler is not scaler:
-            self.fold_pending()
-
-    def after_backward(self, scaler: LossScaler) -> None:
-        """Called by scale_loss: the raw gradients now carry `scaler`'s scale."""
-        self._raw_scaler = scaler
-
-    def fold_exit(self, scaler: LossScaler, flag: torch.Tensor) -> None:
-        """Resolve a scale_loss exit: fold the raw gradients, divided by `scaler`'s scale, OR
-        their overflow into the exit's `flag` and keep it for the step (exits.py)."""
-        raws, accs = self._fold_buffers()
-        self._fold_fn(raws, accs, fused_step.inverse(scaler.state_tensors(self._device)[0]),
-                      flag)
-        scaler.scaled_graphs.mark_done(self)
-        self._raw_scaler = None
-        self._exit_flags.append(flag)
-
-    def agree_exit_flag_(self, flag: torch.Tensor) -> None:
-        """OR an exit's flag over this optimizer's process group, if it has one."""
+    def carries_other(self, scaler: LossScaler) -> bool:
+        """The raw gradients carry a scale other than `scaler`'s: fold them before a backward
+        with `scaler` adds to them."""
+        return self.raw_scaler is not None and self.raw_scaler is not scaler
 
     def folds_nothing(self) -> bool:
         """No gradients were folded into fp32 this step."""
         return not self._involved and not self._exit_flags
 
-    def _fold(self, scaler: LossScaler, raws: Sequence[torch.Tensor],
-              accs: Sequence[torch.Tensor]) -> None:
-        inv_scale = fused_step.inverse(scaler.state_tensors(self._device)[0])
-        self._fold_fn(raws, accs, inv_scale, scaler.round_found(self._device))
-        self._involve(scaler)
+    def fold(self, scaler: LossScaler, raws: Sequence[torch.Tensor],
+             accs: Sequence[torch.Tensor], owner: object) -> None:
+        """Add `raws`, divided by `scaler`'s scale, to `accs`; OR their overflow into the
+        scaler's round, which this optimizer joins."""
+        inv_scale = fused_step.inverse(scaler.state_tensors(self.device)[0])
+        self._fold_fn(raws, accs, inv_scale, round_of(scaler, self.device).found)
+        self.involve(scaler, owner)
 
-    def _involve(self, scaler: LossScaler) -> None:
-        """The raw gradients, which carried `scaler`'s scale, were taken into fp32."""
-        scaler.scaled_graphs.mark_done(self)
+    def fold_exit(self, scaler: LossScaler, flag: torch.Tensor, raws: Sequence[torch.Tensor],
+                  accs: Sequence[torch.Tensor], owner: object) -> None:
+        """Resolve a scale_loss exit: fold `raws`, divided by `scaler`'s scale, OR their
+        overflow into the exit's `flag` and keep it for the step (exits.py)."""
+        self._fold_fn(raws, accs, fused_step.inverse(scaler.state_tensors(self.device)[0]),
+                      flag)
+        scaler.scaled_graphs.mark_done(owner)
+        self.raw_scaler = None
+        self._exit_flags.append(flag)
+
+    def involve(self, scaler: LossScaler, owner: object,
+                found: Optional[torch.Tensor] = None) -> None:
+        """The raw gradients, which carried `scaler`'s scale, were taken into fp32 (`found`:
+        their overflow flag, when they were not folded by `fold`)."""
+        scaler.scaled_graphs.mark_done(owner)
+        fold_round = round_of(scaler, self.device)
+        if found is not None:
+            fold_round.found.logical_or_(found)
         if scaler not in self._involved:
             self._involved.append(scaler)
-            scaler.join_round(id(self))
-        self._raw_scaler = None
+            fold_round.join(self)
+        self.raw_scaler = None
 
-    def _round_found(self) -> torch.Tensor:
+    @property
+    def involved(self) -> tuple[LossScaler, ...]:
+        """The scalers folded this step, in the order they were first folded."""
+        return tuple(self._involved)
+
+    def involved_flags(self) -> list[torch.Tensor]:
+        """The overflow flags of the scalers folded this step (to agree on over ranks)."""
+        return [round_of(s, self.device).found for s in self._involved]
+
+    def found(self) -> torch.Tensor:
         """Whether any scaler folded this step, or any resolved exit, saw an overflow (a 0-dim
         device flag)."""
-        flags = [s.round_found(self._device) for s in self._involved] + self._exit_flags
-        return torch.stack(flags).any()
+        return torch.stack(self.involved_flags() + self._exit_flags).any()
 
-    def _end_round(self) -> None:
+    def end_round(self) -> None:
+        """The step took the folded gradients (or they were dropped): leave every round."""
         for scaler in self._involved:
-            scaler.leave_round(id(self))
+            round_of(scaler, self.device).leave(self, scaler)
         self._involved = []
         self._exit_flags = []

@@ -10,7 +10,7 @@ the device; any other one is skipped after one host read per step, as in Apex.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ __all__ = ["FP16_Optimizer"]
 log = logging.getLogger(__name__)
 
 
-class FP16_Optimizer(GradientFolding):
+class FP16_Optimizer:
     """Wrap `init_optimizer` with fp32 master weights and static or dynamic loss scaling.
 
     Args:
@@ -51,19 +51,20 @@ class FP16_Optimizer(GradientFolding):
             raise ConfigError("FP16_Optimizer does not step sharded (DTensor, FSDP2) parameters; "
                               "use fxamp.optim.AdamW, Adam or SGD, which step their local shards")
         self.optimizer = init_optimizer
-        self.loss_scaler = _make_scaler(static_loss_scale, dynamic_loss_scale,
-                                        dynamic_loss_args, compile)
-        self.loss_scalers = [self.loss_scaler]
+        scaler = _make_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, compile)
         self._buckets = flatten_param_groups(init_optimizer.param_groups, master_weights=True,
                                              owner="FP16_Optimizer")
         self._masters = [self._master_param(b) for b in self._buckets]
         for gi, group in enumerate(init_optimizer.param_groups):
             group["params"] = [m for b, m in zip(self._buckets, self._masters)
                                if b.group_index == gi]
-        self._device = self._masters[0].device if self._masters else torch.device("cpu")
-        self.found_inf = torch.zeros((), dtype=torch.bool, device=self._device)
+        device = self._masters[0].device if self._masters else torch.device("cpu")
+        self.found_inf = torch.zeros((), dtype=torch.bool, device=device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
-        self._init_folding((fused_step.compiled() if compile else fused_step.eager).fold_grads)
+        fns = fused_step.compiled() if compile else fused_step.eager
+        self.folding = GradientFolding(fns.fold_grads, device)
+        """Which scale the gradients carry and what was folded (folding.py)."""
+        self.folding.set_loss_scalers([scaler], "FP16_Optimizer")
         (log.info if verbose else log.debug)(
             "FP16_Optimizer: %d flat masters over %d groups", len(self._masters),
             len(init_optimizer.param_groups))
@@ -86,16 +87,32 @@ class FP16_Optimizer(GradientFolding):
         if update_master_grads:
             self.update_master_grads()
 
-    def fold_pending(self) -> None:
-        self.update_master_grads()
-
     def update_master_grads(self) -> None:
         """Add the model's gradients, unscaled, to the masters' `.grad` and zero them; record
         overflow. Runs at most once per backward."""
         exits.resolve_for(self)
-        if self._raw_scaler is None:
+        if self.folding.raw_scaler is None:
             return
-        self._fold(self._raw_scaler, *self._fold_buffers())
+        self.folding.fold(self.folding.raw_scaler, *self._fold_buffers(), owner=self)
+
+    # What scale_loss and its exits (exits.py) call.
+    def before_backward(self, scaler: LossScaler) -> None:
+        """A backward with `scaler` is about to add to the gradients: resolve the exit they
+        wait in, and fold them if they carry another scaler's scale."""
+        exits.resolve_for(self)
+        if self.folding.carries_other(scaler):
+            self.update_master_grads()
+
+    def after_backward(self, scaler: LossScaler) -> None:
+        """The raw gradients now carry `scaler`'s scale."""
+        self.folding.raw_scaler = scaler
+
+    def fold_exit(self, scaler: LossScaler, flag: torch.Tensor) -> None:
+        """Resolve a scale_loss exit into `flag` (Note [Apex's scale_loss exits])."""
+        self.folding.fold_exit(scaler, flag, *self._fold_buffers(), owner=self)
+
+    def agree_exit_flag_(self, flag: torch.Tensor) -> None:
+        """Nothing to agree on: FP16_Optimizer steps one process's parameters."""
 
     def _fold_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         for bucket in self._buckets:
@@ -118,8 +135,8 @@ class FP16_Optimizer(GradientFolding):
         return bool(self.found_inf.item())
 
     def _refresh_overflow(self) -> None:
-        if not self.folds_nothing():
-            self.found_inf.copy_(self._round_found())
+        if not self.folding.folds_nothing():
+            self.found_inf.copy_(self.folding.found())
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """Step the wrapped optimizer on the masters unless the gradients overflowed, copy the
@@ -140,7 +157,7 @@ class FP16_Optimizer(GradientFolding):
             for bucket in self._buckets:
                 if bucket.master is not None:
                     bucket.param.copy_(bucket.master)
-        self._end_round()
+        self.folding.end_round()
         return loss
 
     def _step_inner(self) -> None:
@@ -159,10 +176,29 @@ class FP16_Optimizer(GradientFolding):
         for bucket, master in zip(self._buckets, self._masters):
             bucket.zero_grad()
             master.grad.zero_()
-        self._raw_scaler = None
-        self._end_round()
+        self.folding.raw_scaler = None
+        self.folding.end_round()
 
     # ------------------------------------------------------------------------- Apex surface
+    @property
+    def loss_scaler(self) -> LossScaler:
+        """The scaler `backward` scales by: the first of `loss_scalers`."""
+        return self.folding.loss_scalers[0]
+
+    @property
+    def loss_scalers(self) -> tuple[LossScaler, ...]:
+        """Its own scaler, or the scalers `initialize` gave it (`loss_id`s of scale_loss)."""
+        return self.folding.loss_scalers
+
+    def set_loss_scalers(self, scalers: Sequence[LossScaler]) -> None:
+        """Step with these scalers instead of its own (what `initialize` does; the first
+        becomes `loss_scaler`).
+
+        Raises:
+            ConfigError: not a non-empty list of LossScaler.
+        """
+        self.folding.set_loss_scalers(scalers, "FP16_Optimizer")
+
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.get_scale()

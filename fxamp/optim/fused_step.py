@@ -38,7 +38,7 @@ still recompiles per structure, so it does not remove the limit.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -47,15 +47,24 @@ from fxamp.optim import codecs, distributed
 from fxamp.optim.scale_rule import ScaleRule, next_scale_state, scale_is_valid
 
 __all__ = ["prologue", "update", "fold_grads", "gather_grads", "inverse", "compiled", "eager",
-           "StepFns"]
+           "StepFns", "StepState"]
 
 Tensor = torch.Tensor
 # Columns the prologue appends to every group's row of scalars.
 STEP, GRAD_SCALE, SKIP = -3, -2, -1
 
 
-def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Tensor,
-             norm_out: Tensor, scaler_state: Optional[tuple[Tensor, Tensor, Tensor]],
+class StepState(NamedTuple):
+    """An optimizer's device state that `prologue` reads and writes, besides its buffers."""
+
+    hyper: Tensor  # [groups, K] hyperparameters, one row per param group (Algorithm.hyper_row)
+    step: Tensor  # [groups] step counts, advanced unless the step is skipped
+    found: Tensor  # 0-dim bool, written: whether this step is skipped
+    norm: Tensor  # 0-dim fp32, written when clipping: the unscaled gradients' total norm
+
+
+def prologue(grads: Sequence[Tensor], state: StepState,
+             scaler_state: Optional[tuple[Tensor, Tensor, Tensor]],
              found_in: Optional[Tensor], *,
              coefs_fn: Callable[[Tensor, Tensor], Tensor], check: bool,
              max_norm: Optional[float], rule: Optional[ScaleRule], group: Any = None,
@@ -67,6 +76,7 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
     norm of the `sharded` buckets are reduced over it (Note [Agreeing on overflow across ranks]
     in distributed.py).
     """
+    step = state.step
     found = torch.zeros((), dtype=torch.bool, device=step.device)
     if found_in is not None:
         found = found | found_in
@@ -87,15 +97,15 @@ def prologue(grads: Sequence[Tensor], hyper: Tensor, step: Tensor, found_out: Te
             norm = distributed.global_squared_norm(grads, sharded, group).sqrt() * inv_scale
         else:
             norm = sum(g.float().square().sum() for g in grads).sqrt() * inv_scale
-        norm_out.copy_(norm)
+        state.norm.copy_(norm)
         grad_scale = inv_scale * (max_norm / (norm + 1e-6)).clamp_max(1.0)
     new_step = step + (~found).to(step.dtype)
-    coefs = coefs_fn(hyper, new_step).float()
+    coefs = coefs_fn(state.hyper, new_step).float()
     rows = coefs.shape[0]  # one step count per group (a group added later starts at 0)
     tail = torch.stack([new_step.float().expand(rows), grad_scale.expand(rows),
                         found.float().expand(rows)], 1)
     step.copy_(new_step)
-    found_out.copy_(found)
+    state.found.copy_(found)
     if scaler_state is not None and rule.dynamic:
         for dst, src in zip(scaler_state, next_scale_state(*scaler_state, found, rule)):
             dst.copy_(src)

@@ -9,7 +9,7 @@ them on its own for the other paths (several losses, FP16_Optimizer).
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Union
 
 import torch
 
@@ -20,6 +20,9 @@ from fxamp.optim.scale_rule import (UNSET, build_rule, check_scale_value, compil
                                     update_in_place)
 from fxamp.optim.scaled_graphs import ScaledGraphs
 from fxamp.optim.state_checks import parse_scaler_state
+
+if TYPE_CHECKING:
+    from fxamp.optim.folding import FoldRound
 
 __all__ = ["LossScaler"]
 
@@ -69,9 +72,8 @@ class LossScaler:
                                      overrides)
         self._init = (init if static == "dynamic" else static, 0, self.rule.hysteresis)
         self._state: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None
-        self._found: Optional[torch.Tensor] = None
-        self._round: set[int] = set()
         self.pending_exit: Optional[tuple] = None  # Note [Apex's scale_loss exits] (exits.py)
+        self.fold_round: Optional[FoldRound] = None  # folds awaiting their steps (folding.py)
         self._update = compiled_update() if compile else update_in_place
         self.scaled_graphs = ScaledGraphs(self)  # Note [A scaled backward awaits its step]
 
@@ -96,10 +98,8 @@ class LossScaler:
             self._state = (torch.full((), scale, dtype=torch.float32, device=device),
                            torch.full((), tracker, dtype=torch.int32, device=device),
                            torch.full((), hyst, dtype=torch.int32, device=device))
-            self._found = torch.zeros((), dtype=torch.bool, device=device)
         elif self._state[0].device != torch.device(device):
             self._state = tuple(t.to(device) for t in self._state)  # type: ignore[assignment]
-            self._found = self._found.to(device)
         return self._state
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -135,22 +135,6 @@ class LossScaler:
         """Advance the dynamic scale by one step whose overflow flag is `found_inf` (0-dim)."""
         if self.rule.dynamic:
             self._update(*self.state_tensors(found_inf.device), found_inf.bool(), self.rule)
-
-    # Folded gradients (several losses, several optimizers per loss): each optimizer that folds
-    # this scaler's gradients ORs their overflow into one flag and joins the round; the last one
-    # to step updates the scale once, by that flag.
-    def round_found(self, device: torch.device) -> torch.Tensor:
-        self.state_tensors(device)
-        return self._found
-
-    def join_round(self, owner: int) -> None:
-        self._round.add(owner)
-
-    def leave_round(self, owner: int) -> None:
-        self._round.discard(owner)
-        if not self._round:
-            self.update(self._found)
-            self._found.zero_()
 
     def _device(self) -> torch.device:
         return torch.device("cpu") if self._state is None else self._state[0].device

@@ -9,7 +9,7 @@ whether the step was skipped stays on the device until `last_step_skipped()`.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -30,7 +30,7 @@ __all__ = ["FusedOptimizer"]
 log = logging.getLogger(__name__)
 
 
-class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
+class FusedOptimizer(torch.optim.Optimizer):
     """Base of fxamp's Adam, AdamW, SGD and LAMB; subclasses set `algorithm` and the defaults.
 
     Every parameter with `requires_grad` becomes a view into a flat buffer per (group, dtype);
@@ -63,7 +63,6 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         check_state_params(self.state_format, self.param_groups, master_weights, owner)
         self._fp32_masters = master_weights and self.state_format.master == "fp32"
         self._fns = fused_step.compiled() if compile else fused_step.eager
-        self._init_folding(self._fns.fold_grads)
         self._unit = LossScaler(1.0, compile=compile)  # for unscale_ without any scaler
         self._buckets = flatten_param_groups(
             self.param_groups, master_weights=self._fp32_masters, owner=owner)
@@ -71,7 +70,8 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         self._left_out = param_groups.left_out(self.param_groups, self._buckets)
         device = next(p for g in self.param_groups for p in g["params"]).device
         self._init_device_state(device)
-        self.loss_scalers: list[LossScaler] = []  # set by fxamp.optim.initialize
+        self.folding = GradientFolding(self._fns.fold_grads, device)
+        """Which scale the gradients carry and what was folded (folding.py)."""
         self.master_grads = MasterGrads(self._fns.gather_grads)  # see master_params
         checkpoint.expose_state(self)
 
@@ -160,9 +160,10 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         """Unscale, check, clip, update, skip on overflow and advance the loss scale, fused.
 
         Args:
-            scaler: the LossScaler whose scale the gradients carry; defaults to the one the last
-                `fxamp.optim.scale_loss` used, then to the first of `initialize`'s scalers. None:
-                the gradients are unscaled (no overflow check unless `max_grad_norm` is set).
+            scaler: the LossScaler whose scale the gradients carry. The one the last
+                `fxamp.optim.scale_loss` used comes first, then this one, then the first of
+                `loss_scalers` (Note [Which scaler a step divides by] in folding.py). None of
+                them: the gradients are unscaled (no overflow check unless `max_grad_norm`).
             closure: torch.optim's closure, re-evaluating the loss; not with a dynamic scale.
 
         Returns:
@@ -174,8 +175,9 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         param_groups.check_left_out(self)
         exits.settle(self)  # Note [Apex's scale_loss exits]
         exits.take(self)
-        pending = self._raw_scaler or self._unless_exits(scaler)  # the raw grads' scale
-        scaler = pending or self._unless_exits(self._default_scaler())
+        # Note [Which scaler a step divides by]; `pending` folds what came since a fold.
+        pending = self.folding.scaler_for(scaler, default=False)
+        scaler = self.folding.scaler_for(scaler)
         if scaler is None:
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "step")
         loss = self._call_closure(closure, scaler)
@@ -187,20 +189,29 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         gathered = self.master_grads.current(self._buckets, scaler)
         if gathered is not None:
             self._step_from_gathered(gathered.scaler or self._unit, gathered.found)
-        elif not self.folds_nothing():
+        elif not self.folding.folds_nothing():
             self._step_from_folded(pending)
         else:
             self._fused_step([b.grad for b in self._buckets], scaler,
                              check=scaler is not None or self.max_grad_norm is not None)
-        self._raw_scaler = None
+        self.folding.raw_scaler = None
         return loss
 
-    def _unless_exits(self, scaler: Optional[LossScaler]) -> Optional[LossScaler]:
-        # Gradients folded at scale_loss exits carry no scale any more, and their scaler moved.
-        return None if self._exit_flags else scaler
+    @property
+    def loss_scalers(self) -> tuple[LossScaler, ...]:
+        """The scalers `fxamp.optim.scale_loss` picks by `loss_id` (set by `initialize`); the
+        first is the one `step()` divides by when no other applies (Note [Which scaler a
+        step divides by] in folding.py). Empty for an optimizer built directly."""
+        return self.folding.loss_scalers
 
-    def _default_scaler(self) -> Optional[LossScaler]:
-        return self.loss_scalers[0] if self.loss_scalers else None
+    def set_loss_scalers(self, scalers: Sequence[LossScaler]) -> None:
+        """Give this optimizer the scalers of Apex's `loss_id`s (what `initialize` does with
+        its `num_losses` scalers, shared by all the optimizers it returns).
+
+        Raises:
+            ConfigError: not a non-empty list of LossScaler.
+        """
+        self.folding.set_loss_scalers(scalers, type(self).__name__)
 
     def _call_closure(self, closure, scaler: Optional[LossScaler]) -> Any:
         if closure is None:
@@ -215,12 +226,13 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
 
     def _fused_step(self, grads, scaler: Optional[LossScaler], *, check: bool,
                     found_in: Optional[torch.Tensor] = None) -> None:
-        state = None if scaler is None else scaler.state_tensors(self._device)
+        scale_state = None if scaler is None else scaler.state_tensors(self._device)
         if scaler is not None:
             scaler.scaled_graphs.mark_done(self)
+        state = fused_step.StepState(self._hyper, self._step_count, self.found_inf,
+                                     self.grad_norm)
         coefs = self._fns.prologue(
-            grads, hyper=self._hyper, step=self._step_count, found_out=self.found_inf,
-            norm_out=self.grad_norm, scaler_state=state, found_in=found_in,
+            grads, state, scaler_state=scale_state, found_in=found_in,
             coefs_fn=self.algorithm.coefs, check=check, max_norm=self.max_grad_norm,
             rule=None if scaler is None else scaler.rule, **self._dist_kwargs())
         b = self._buckets
@@ -264,13 +276,14 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         """
         _check_scaler_arg(scaler, "unscale_")
         exits.resolve_for(self)
-        if scaler is None and self._raw_scaler is None and not self.folds_nothing():
+        folding = self.folding
+        if scaler is None and folding.raw_scaler is None and not folding.folds_nothing():
             return  # everything since the last backward is folded already
-        scaler = scaler or self._raw_scaler or self._default_scaler()
+        scaler = scaler or folding.scaler_for()  # Note [Which scaler a step divides by]
         if scaler is None:
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "unscale_")
             scaler = self._unit
-        self._fold(scaler, *self._fold_buffers())
+        folding.fold(scaler, *self._fold_buffers(), owner=self)
 
     def _fold_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         for b in self._buckets:
@@ -279,10 +292,24 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
             b.sync_from_params()
         return [b.grad for b in self._buckets], [b.acc for b in self._buckets]
 
-    def fold_pending(self) -> None:
-        self.unscale_(self._raw_scaler)
+    # What scale_loss and its exits (exits.py) call.
+    def before_backward(self, scaler: LossScaler) -> None:
+        """A backward with `scaler` is about to add to the gradients: resolve the exit they
+        wait in, and fold them if they carry another scaler's scale."""
+        exits.resolve_for(self)
+        if self.folding.carries_other(scaler):
+            self.unscale_(self.folding.raw_scaler)
+
+    def after_backward(self, scaler: LossScaler) -> None:
+        """The raw gradients now carry `scaler`'s scale."""
+        self.folding.raw_scaler = scaler
+
+    def fold_exit(self, scaler: LossScaler, flag: torch.Tensor) -> None:
+        """Resolve a scale_loss exit into `flag` (Note [Apex's scale_loss exits])."""
+        self.folding.fold_exit(scaler, flag, *self._fold_buffers(), owner=self)
 
     def agree_exit_flag_(self, flag: torch.Tensor) -> None:
+        """OR an exit's flag over this optimizer's process group, if it has one."""
         if self._group is not None:
             distributed.agree_flags_([flag], self._group)
 
@@ -291,10 +318,10 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         scale, and move the unscaled sum back into `.grad`; a no-op once done."""
         _check_scaler_arg(scaler, "unscale_")
         exits.resolve_for(self)
-        if self._raw_scaler is self._unit:
+        if self.folding.raw_scaler is self._unit:
             return  # done already, and no backward through scale_loss since
-        carried = self._raw_scaler or self._unless_exits(scaler or self._default_scaler())
-        if carried is not None or self.folds_nothing():
+        carried = self.folding.scaler_for(scaler)
+        if carried is not None or self.folding.folds_nothing():
             self.unscale_(carried)
         self._unfold()
 
@@ -303,14 +330,14 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
         for b in self._buckets:
             b.grad.copy_(b.acc)
             b.acc.zero_()
-        self._raw_scaler = self._unit
+        self.folding.raw_scaler = self._unit
 
     def gather_master_grads(self) -> None:
         """Compute the unscaled master gradients that `fxamp.optim.master_params` yields, from
         the raw ones and the scale they carry (Note [Gathered master gradients])."""
         param_groups.check_left_out(self)
         exits.settle(self)
-        scaler = self._raw_scaler or self._unless_exits(self._default_scaler())
+        scaler = self.folding.scaler_for()
         if scaler is None:
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "master_params")
         for bucket in self._buckets:
@@ -319,28 +346,26 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
 
     def _step_from_gathered(self, scaler: LossScaler, found: torch.Tensor) -> None:
         # The gathered gradients hold the folded ones and the raw ones, unscaled.
-        scaler.round_found(self._device).logical_or_(found)
-        self._involve(scaler)
+        self.folding.involve(scaler, self, found=found)
         self._fused_step(self.master_grads.buffers, None, check=True,
-                         found_in=self._round_found())
+                         found_in=self.folding.found())
         for b in self._buckets:
             b.grad.zero_()  # taken, as a fold takes them
             if b.acc is not None:
                 b.acc.zero_()
         self.master_grads.drop()
-        self._end_round()
+        self.folding.end_round()
 
     def _step_from_folded(self, pending: Optional[LossScaler]) -> None:
         if pending is not None:
             self.unscale_(pending)
         if self._group is not None:  # each scaler then moves by the flag all ranks agree on
-            distributed.agree_flags_([s.round_found(self._device) for s in self._involved],
-                                     self._group)
+            distributed.agree_flags_(self.folding.involved_flags(), self._group)
         self._fused_step([b.acc for b in self._buckets], None, check=True,
-                         found_in=self._round_found())
+                         found_in=self.folding.found())
         for b in self._buckets:
             b.acc.zero_()
-        self._end_round()
+        self.folding.end_round()
 
     # ------------------------------------------------------------------------------ plumbing
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -352,8 +377,8 @@ class FusedOptimizer(GradientFolding, torch.optim.Optimizer):
             bucket.zero_grad()
         self.master_grads.drop()
         scaled_graphs.release_pending(self)
-        self._raw_scaler = None
-        self._end_round()
+        self.folding.raw_scaler = None
+        self.folding.end_round()
 
     def _flat_params(self) -> list[torch.Tensor]:
         return [p for b in self._buckets for p in b.params]

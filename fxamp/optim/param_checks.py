@@ -10,6 +10,8 @@ import torch
 
 from fxamp import validation
 from fxamp.errors import ConfigError
+from fxamp.optim.distributed import is_dtensor
+from fxamp.optim.flat import check_group_params
 
 __all__ = ["as_param_list", "check_new_group", "check_added_group", "check_hyperparameters",
            "check_has_params", "check_max_grad_norm"]
@@ -54,9 +56,6 @@ def check_new_group(group: Any, groups: list[dict], owner: str) -> None:
 def check_added_group(group: dict, index: int, owner: str, device: torch.device) -> None:
     """A group added after construction (its defaults filled in): hyperparameters, and
     parameters the flat buffers can take."""
-    from fxamp.optim.distributed import is_dtensor
-    from fxamp.optim.flat import check_group_params
-
     params = [_tensor_of(p) for p in group["params"]]
     check_hyperparameters(group, index, owner)
     check_group_params({"params": params}, index, owner, device)

@@ -10,7 +10,6 @@ import torch
 
 from fxamp.errors import ConfigError
 from fxamp.optim import exits
-from fxamp.optim.folding import GradientFolding
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.loss_scaler import LossScaler
 from fxamp.optim.optimizer import FusedOptimizer
@@ -70,7 +69,7 @@ def _check_scale_loss(opts: tuple, num_losses: int, loss_id: Any, delay_unscale:
         raise ConfigError(f"loss_id={loss_id!r} is out of range: initialize(num_losses="
                           f"{num_losses}) made loss ids 0..{num_losses - 1}")
     for i, opt in enumerate(opts):
-        if not isinstance(opt, GradientFolding):
+        if not isinstance(opt, (FusedOptimizer, FP16_Optimizer)):
             raise ConfigError(f"optimizers[{i}] is a {type(opt).__name__}; pass the optimizers "
                               "fxamp.optim.initialize returned")
     if not isinstance(unscale_on_exit, bool):

@@ -23,7 +23,9 @@ from fxamp._compat import (SET_GRAD_ENABLED, emit_call, make_fx_tracer, pytree,
                            retrace_subgraph)
 from fxamp.passes.hops import HopSpec, body_inputs, hop_spec
 
-__all__ = ["to_aten", "fake_inputs"]
+__all__ = ["to_aten", "fake_inputs", "TRAINABLE"]
+
+TRAINABLE = "fxamp_trainable"  # meta key: a graph input that requires grad
 
 
 def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode) -> list[Any]:
@@ -132,8 +134,11 @@ def to_aten(gm: fx.GraphModule, fakes: Sequence[Any], fake_mode) -> fx.GraphModu
     with fx_traceback.preserve_node_meta(), fake_mode:
         aten_gm = make_fx(run, pre_dispatch=True)(*fakes)
     sources = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-    for node, source in zip(list(aten_gm.graph.find_nodes(op="placeholder")), sources):
+    for node, source, fake in zip(list(aten_gm.graph.find_nodes(op="placeholder")), sources,
+                                  fakes):
         node.target = rename_node(node, readable_name(source))
+        if isinstance(fake, torch.Tensor) and fake.requires_grad:
+            node.meta[TRAINABLE] = True  # a parameter (the traced value has lost the flag)
     aten_gm.recompile()
     return aten_gm
 

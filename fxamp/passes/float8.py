@@ -2,8 +2,9 @@
 
 Annotate, then materialise, like the cast passes: `decide_gemms` records a `GemmChoice` on
 every GEMM node (`node.meta[FLOAT8_META]`: float8 or not, and why; explain() prints them), and
-`rewrite_gemms` replaces the chosen ones by `float8_linear` / `float8_matmul` calls (Note
-[Float8 GEMMs are an autograd.Function in the graph] in fxamp/float8/gemm.py). It runs after
+`rewrite_gemms` replaces the chosen ones by `float8_linear` / `float8_matmul` / `float8_bmm`
+calls (Note [Float8 GEMMs are an autograd.Function in the graph] and Note [Batched float8
+GEMMs] in fxamp/float8/gemm.py; what each GEMM multiplies is read by float8_operands.py). It runs after
 insert_casts, so a GEMM's operands are already in the dtype the opt level gave them (bf16 at
 O1/O2 on CPU), which is the dtype the float8 GEMMs return.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
 import re
 from typing import Any, Callable, Optional
 
@@ -23,8 +23,9 @@ from fxamp._compat import detect_fake_mode
 from fxamp.config import AmpConfig
 from fxamp.float8.config import Float8Config
 from fxamp.float8.delayed import PREFIX, Float8History
-from fxamp.float8.gemm import float8_linear, float8_matmul
+from fxamp.float8.gemm import float8_bmm, float8_linear, float8_matmul
 from fxamp.passes.annotate import short_dtype
+from fxamp.passes.float8_operands import GEMM_OPS, GemmOperands, gemm_operands
 from fxamp.provenance import module_of
 
 __all__ = ["FLOAT8_META", "GemmChoice", "GEMM_OPS", "decide_gemms", "rewrite_gemms",
@@ -33,19 +34,16 @@ __all__ = ["FLOAT8_META", "GemmChoice", "GEMM_OPS", "decide_gemms", "rewrite_gem
 FLOAT8_META = "fxamp_float8"
 aten = torch.ops.aten
 
-# The matmul-family ops pre-dispatch tracing leaves (nn.Linear and F.linear are aten.linear;
-# `@` on 2-D operands is aten.mm, on others aten.matmul).
-GEMM_OPS: dict[Any, str] = {aten.linear.default: "linear", aten.mm.default: "mm",
-                            aten.matmul.default: "matmul", aten.addmm.default: "addmm",
-                            aten.bmm.default: "bmm", aten.baddbmm.default: "baddbmm"}
-_FLOAT8_FNS = (float8_linear, float8_matmul)
+_FLOAT8_FNS = (float8_linear, float8_matmul, float8_bmm)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemmChoice:
-    """One GEMM: where it is, its M x K x N (None when not a 2-D GEMM), and whether (and why)
-    it runs in float8. `flops` counts the forward GEMM (2*M*K*N, times the batch for bmm)."""
+    """One GEMM: where it is, its M x K x N (None when its operands are not a GEMM's), and
+    whether (and why) it runs in float8. `flops` counts the forward GEMM (2*M*K*N, times the
+    batch for bmm). `batch`: the entries of a batched GEMM, each its own GEMM of M x K x N
+    (0: one GEMM; Note [Batched float8 GEMMs])."""
 
     op: str
     module: str
@@ -53,6 +51,7 @@ class GemmChoice:
     float8: bool
     reason: str
     flops: int = 0
+    batch: int = 0
 
 
 def is_float8_gemm(node: fx.Node) -> bool:
@@ -68,23 +67,6 @@ def _module(node: fx.Node) -> tuple[str, str]:
     return path or "<root>", type_name
 
 
-def _operands(node: fx.Node) -> tuple[Any, Any, Optional[str]]:
-    """(left [.., K], right [K, N]) fake values of a GEMM, or a reason it is not 2-D."""
-    op = GEMM_OPS[node.target]
-    if op in ("bmm", "baddbmm"):
-        return None, None, f"{op}: a batched GEMM (torch._scaled_mm multiplies 2-D operands)"
-    if op == "addmm" and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
-        return None, None, "addmm with beta or alpha != 1"
-    left, right = (node.args[1], node.args[2]) if op == "addmm" else node.args[:2]
-    a, b = _val(left), _val(right)
-    if op == "linear" and b is not None:
-        b = b.t() if b.dim() == 2 else b
-    if a is None or b is None or a.dim() < 2 or b.dim() != 2:
-        return None, None, f"{op} of a {_dims(a)} and a {_dims(b)} operand (float8 needs " \
-                           "[..., K] @ [K, N])"
-    return a, b, None
-
-
 def _flops(node: fx.Node) -> int:
     # 2 * (output elements) * K: batched and broadcast GEMMs included.
     left = node.args[1] if GEMM_OPS[node.target] in ("addmm", "baddbmm") else node.args[0]
@@ -94,10 +76,6 @@ def _flops(node: fx.Node) -> int:
     k = a.shape[-1]
     total = 2 * out.numel() * k
     return total if isinstance(total, int) else 0
-
-
-def _dims(val: Any) -> str:
-    return f"{val.dim()}-D" if isinstance(val, torch.Tensor) else "non-tensor"
 
 
 def _shape_refusal(shape: tuple, f8: Float8Config) -> Optional[str]:
@@ -119,25 +97,53 @@ def _skip_pattern(node: fx.Node, f8: Float8Config) -> Optional[str]:
     return None
 
 
-def decide(node: fx.Node, config: AmpConfig) -> GemmChoice:
-    f8 = config.float8
-    op, module = GEMM_OPS[node.target], _module(node)[0]
-    a, b, refusal = _operands(node)
-    shape = None if a is None else (math.prod(a.shape[:-1]), a.shape[-1], b.shape[-1])
-    flops = _flops(node)
-    if refusal is None and not (a.dtype == b.dtype and a.dtype in _DTYPES
-                                and a.device.type == config.device_type):
-        refusal = f"operands {short_dtype(a.dtype)}/{short_dtype(b.dtype)} on {a.device.type}"
+_ATTENTION = ("attention-style batched GEMM (no parameter operand): off by default, "
+              "batched_activations=True includes it (Note [Attention-style batched GEMMs stay "
+              "by default])")
+
+
+def _refusal(node: fx.Node, ops: GemmOperands, config: AmpConfig,
+             rewritable: bool) -> Optional[str]:
+    f8, a, b = config.float8, ops.a, ops.b
+    if ops.refusal:
+        return ops.refusal
+    if not (a.dtype == b.dtype and a.dtype in _DTYPES and a.device.type == config.device_type):
+        return f"operands {short_dtype(a.dtype)}/{short_dtype(b.dtype)} on {a.device.type}"
     pattern = _skip_pattern(node, f8)
-    refusal = refusal or (f"skip_modules {pattern!r}" if pattern else None)
-    refusal = refusal or _shape_refusal(shape, f8)
+    if pattern:
+        return f"skip_modules {pattern!r}"
+    # a body's inputs carry no parameter tag: what stays there is said by decide_gemms
+    if ops.activations and not f8.batched_activations and rewritable:
+        return _ATTENTION
+    if ops.batch > f8.max_batch:
+        return f"{ops.batch} batch entries > max_batch={f8.max_batch} (one _scaled_mm each)"
+    return _shape_refusal(ops.mkn, f8)
+
+
+def _why(ops: GemmOperands, config: AmpConfig) -> str:
+    r = config.float8.spec
+    why = (f"{r.name}: {short_dtype(r.input)} x {short_dtype(r.weight)}, grad "
+           f"{short_dtype(r.grad_output)}"
+           f"{', grad_weight ' + short_dtype(ops.a.dtype) if r.grad_weight_hp else ''}, "
+           f"{short_dtype(ops.a.dtype)} out")
+    if ops.batch:
+        why += f"; {ops.batch} GEMMs, one per batch entry, scaled per entry"
+    elif ops.flattened:
+        why += "; one flattened GEMM (the right operand has one batch entry)"
+    return why
+
+
+def decide(gm: fx.GraphModule, node: fx.Node, config: AmpConfig,
+           rewritable: bool = True) -> GemmChoice:
+    op, module = GEMM_OPS[node.target], _module(node)[0]
+    ops = gemm_operands(gm, node)
+    shape = None if ops.a is None else ops.mkn
+    refusal = _refusal(node, ops, config, rewritable)
     if refusal:
         dtype = short_dtype(_val(node).dtype) if isinstance(_val(node), torch.Tensor) else "-"
-        return GemmChoice(op, module, shape, False, f"{refusal}; stays {dtype}", flops)
-    r = f8.spec
-    why = (f"{r.name}: {short_dtype(r.input)} x {short_dtype(r.weight)}, grad "
-           f"{short_dtype(r.grad_output)}, {short_dtype(a.dtype)} out")
-    return GemmChoice(op, module, shape, True, why, flops)
+        return GemmChoice(op, module, shape, False, f"{refusal}; stays {dtype}", _flops(node),
+                          ops.batch)
+    return GemmChoice(op, module, shape, True, _why(ops, config), _flops(node), ops.batch)
 
 
 def decide_gemms(gm: fx.GraphModule, config: AmpConfig, *, rewritable: bool = True) -> int:
@@ -146,7 +152,7 @@ def decide_gemms(gm: fx.GraphModule, config: AmpConfig, *, rewritable: bool = Tr
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target not in GEMM_OPS:
             continue
-        choice = decide(node, config)
+        choice = decide(gm, node, config, rewritable)
         if choice.float8 and not rewritable:
             choice = dataclasses.replace(choice, float8=False, reason="inside a custom "
                                          "autograd.Function or checkpointed body: not rewritten")
@@ -155,18 +161,26 @@ def decide_gemms(gm: fx.GraphModule, config: AmpConfig, *, rewritable: bool = Tr
     return chosen
 
 
-def _replacement(node: fx.Node) -> tuple[Callable, tuple]:
-    op = GEMM_OPS[node.target]
+def _replacement(gm: fx.GraphModule, node: fx.Node) -> tuple[Callable, tuple, dict]:
+    op, ops = GEMM_OPS[node.target], gemm_operands(gm, node)
     if op == "linear":
-        x, w, *rest = node.args
-        return float8_linear, (x, w, rest[0] if rest else node.kwargs.get("bias"))
-    if op == "addmm":
-        return float8_matmul, (node.args[1], node.args[2], node.args[0])
-    return float8_matmul, (node.args[0], node.args[1], None)
+        return float8_linear, (ops.left, ops.right, ops.bias), {}
+    if ops.batch or ops.flattened:
+        scalars = {k: v for k, v in (("alpha", ops.alpha), ("beta", ops.beta)) if v != 1}
+        return float8_bmm, (ops.left, ops.right, ops.bias), scalars
+    return float8_matmul, (ops.left, ops.right, ops.bias), {}
 
 
-def _history_args(gm: fx.GraphModule, node: fx.Node, history: Float8History,
-                  base: str) -> tuple[fx.Node, ...]:
+def _erase_unused(node: Any) -> None:
+    # The expand (and casts) a flattened bmm no longer reads.
+    while isinstance(node, fx.Node) and node.op == "call_function" and not node.users:
+        source = node.args[0]
+        node.graph.erase_node(node)
+        node = source
+
+
+def _history_args(gm: fx.GraphModule, node: fx.Node, history: Float8History, base: str,
+                  entries: int) -> tuple[fx.Node, ...]:
     # Note [Delayed scaling lives in the model]: the graph reads and updates the model's own
     # buffers, registered on the graph module under the same tensor (AOTAutograd lifts a graph
     # module's buffers to inputs of the compiled function and copies mutations back).
@@ -174,7 +188,7 @@ def _history_args(gm: fx.GraphModule, node: fx.Node, history: Float8History,
     attrs = []
     for operand in ("input", "weight"):
         name = f"{base}_{operand}"
-        tensor = history.get(name)
+        tensor = history.get(name, entries)
         gm.register_buffer(PREFIX + name, tensor)
         with gm.graph.inserting_before(node):
             attr = gm.graph.get_attr(PREFIX + name)
@@ -193,17 +207,21 @@ def rewrite_gemms(gm: fx.GraphModule, config: AmpConfig,
         choice = node.meta.get(FLOAT8_META)
         if choice is None or not choice.float8 or is_float8_gemm(node):
             continue
-        fn, args = _replacement(node)
+        fn, args, kwargs = _replacement(gm, node)
         if history is not None:
             base = re.sub(r"\W", "_", f"g{graph_id}_{choice.module}_{choice.op}{rewritten}")
-            args = (*args, config.float8.recipe, *_history_args(gm, node, history, base))
+            args = (*args, config.float8.recipe,
+                    *_history_args(gm, node, history, base, choice.batch))
         else:
             args = (*args, config.float8.recipe)
         with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(fn, args)
+            new = gm.graph.call_function(fn, args, kwargs)
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
+        old_right = node.args[2] if GEMM_OPS[node.target] in ("addmm", "baddbmm") else node.args[1]
         gm.graph.erase_node(node)
+        if old_right is not args[1]:
+            _erase_unused(old_right)
         rewritten += 1
     if history is not None:
         history.graphs_traced += 1

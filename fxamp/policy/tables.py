@@ -24,7 +24,7 @@ from fxamp._compat import OpOverload
 from fxamp.policy.vocabulary import CastPolicy
 
 __all__ = ["PRESETS", "preset_table", "unresolved_names", "resolve_op_name",
-           "BANNED_ALTERNATIVES", "ONE_DTYPE_OPS"]
+           "BANNED_ALTERNATIVES", "ONE_DTYPE_OPS", "RECURRENT_FUNCTIONS"]
 
 
 BANNED_ALTERNATIVES = {
@@ -75,6 +75,11 @@ addmm _addmm_activation addbmm linear _convolution.deprecated matmul conv_tbc mk
 conv_transpose1d conv_transpose2d.input conv_transpose3d.input prelu scaled_dot_product_attention
 _native_multi_head_attention
 """
+# RNN cells are composite ops: CPU autocast has no entry for them and reaches the linear layers
+# inside through their decomposition (bf16), while fxamp's graph keeps the cell as one node,
+# which meets a 16-bit input and fp32 weights. They run in the low dtype, as in CUDA autocast's
+# list and Apex's (conformance pattern rnn_cell).
+_TORCH_CPU_LOWER_CELLS = "lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell"
 _TORCH_CPU_FP32 = """
 avg_pool3d binary_cross_entropy grid_sampler polar prod prod.dim_int prod.dim_Dimname quantile
 quantile.scalar nanquantile nanquantile.scalar stft stft.center cdist grid_sampler_2d
@@ -119,6 +124,12 @@ ne.Tensor lt.Tensor le.Tensor gt.Tensor ge.Tensor cat stack
 """
 _BANNED = "binary_cross_entropy"
 
+# Whole recurrent layers, by torch function (what nn.RNN/GRU/LSTM call, packed sequences too).
+# Dynamo runs these modules eagerly, outside fxamp's graphs, so at O1 their input, hidden state
+# and weights are cast to the low dtype by a function mode instead (eager_regions.py), as Apex
+# did for every recurrent layer (apex/amp/rnn_compat.py).
+RECURRENT_FUNCTIONS = "lstm gru rnn_tanh rnn_relu"
+
 
 def resolve_op_name(name: str) -> OpOverload | None:
     """'softmax.int' -> aten.softmax.int, 'mm' -> aten.mm.default; None if this build lacks it."""
@@ -133,7 +144,8 @@ _LISTS: Mapping[str, Mapping[str, str]] = types.MappingProxyType({
     "torch-cuda": dict(lower=_TORCH_CUDA_LOWER, fp32=_TORCH_CUDA_FP32,
                        fp32_set_opt_dtype=_TORCH_FP32_SET_OPT_DTYPE, promote=_TORCH_CUDA_PROMOTE,
                        banned=_BANNED),
-    "torch-cpu": dict(lower=_TORCH_CPU_LOWER, fp32=_TORCH_CPU_FP32, promote=_TORCH_CPU_PROMOTE),
+    "torch-cpu": dict(lower=_TORCH_CPU_LOWER + _TORCH_CPU_LOWER_CELLS, fp32=_TORCH_CPU_FP32,
+                      promote=_TORCH_CPU_PROMOTE),
     "apex": dict(lower=_APEX_LOWER, fp32=_APEX_FP32, promote=_APEX_PROMOTE, banned=_BANNED),
 })
 

@@ -18,8 +18,6 @@ from .harness import Pattern, Run
 B, D, T = 4, 16, 6
 
 # The symptoms on main (2026-11-23), item numbers as in issue 10.
-RNN_CELL_O1 = ("new: refused at O1: FxampError: aten.rnn_tanh_cell gets bf16 and f32 inputs under "
-               "policy 'keep' (not in the table); autocast runs the cell in bf16")
 ENCODER_EVAL_O1 = ("issue 10 item 5: in eval() under no_grad at O1 the fused fast path runs in "
                    "fp32: results equal fp32's bit for bit (autocast turns the fast path off); "
                    "passes on torch 2.14")
@@ -138,7 +136,7 @@ PATTERNS = [
     Pattern("gru", RECURRENT, "nn.GRU (batch_first) between Linear layers", _recurrent("GRU"),
             check=_rnn_honours_o1),
     Pattern("rnn_cell", RECURRENT, "nn.RNNCell unrolled in a Python loop", _recurrent("RNNCell"),
-            check=_rnn_honours_o1, xfail={"O1": RNN_CELL_O1}),
+            check=_rnn_honours_o1),
     Pattern("transformer_encoder_train", ENCODER,
             "nn.TransformerEncoder (2 post-LN layers), train()",
             _encoder, inductor=True),

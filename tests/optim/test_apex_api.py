@@ -10,6 +10,7 @@ import torch
 from optim_helpers import bit_identical, loss_of, make_mlp, snapshot
 
 import fxamp.optim as fo
+from fxamp.errors import ConfigError
 
 pytest.importorskip("fxamp.backend")
 
@@ -195,3 +196,35 @@ def test_an_apex_script_runs_with_import_fxamp_as_amp():
         torch.testing.assert_close(p, r, rtol=0, atol=3e-2)
     with torch.no_grad():
         torch.testing.assert_close(loss_of(model, 99), loss_of(ref, 99), rtol=1e-3, atol=0)
+
+
+def test_a_scaler_folded_by_two_optimizers_moves_once_after_the_last_step():
+    # Note [Which scaler a step divides by] and FoldRound (folding.py): both skip, and the
+    # scale halves once, when the second optimizer has stepped.
+    m1, m2 = make_mlp(), make_mlp(seed=1)
+    o1, o2 = (fo.AdamW(m.parameters(), lr=1e-2, compile=False) for m in (m1, m2))
+    scaler = fo.LossScaler("dynamic", compile=False)
+    before = snapshot(o1), snapshot(o2)
+    m2[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+    scaler.scale(loss_of(m1, 0) + loss_of(m2, 0)).backward()
+    o1.unscale_(scaler)
+    o2.unscale_(scaler)
+    o1.step()
+    assert o1.last_step_skipped() and scaler.get_scale() == 2.0**16
+    o2.step()
+    assert o2.last_step_skipped() and scaler.get_scale() == 2.0**15
+    assert bit_identical(snapshot(o1), before[0]) and bit_identical(snapshot(o2), before[1])
+
+
+def test_set_loss_scalers_takes_loss_scalers_only():
+    model = make_mlp()
+    opt = fo.AdamW(model.parameters(), lr=1e-2, compile=False)
+    assert opt.loss_scalers == ()
+    with pytest.raises(ConfigError, match=r"AdamW.set_loss_scalers takes a non-empty list of "
+                             r"fxamp.optim.LossScaler, not \(\)"):
+        opt.set_loss_scalers([])
+    wrapped = fo.FP16_Optimizer(torch.optim.SGD(make_mlp().parameters(), lr=0.1),
+                                compile=False)
+    shared = fo.LossScaler("dynamic", compile=False)
+    wrapped.set_loss_scalers([shared])
+    assert wrapped.loss_scaler is shared and wrapped.loss_scalers == (shared,)

@@ -258,5 +258,5 @@ def test_scale_loss_refusals_change_nothing():
             pass
     with pytest.raises(ConfigError, match="unscale_ takes an fxamp optimizer"):
         fo.unscale_(torch.optim.SGD(make_mlp().parameters(), lr=0.1))
-    assert bit_identical(snapshot(opt), before) and opt.folds_nothing()
+    assert bit_identical(snapshot(opt), before) and opt.folding.folds_nothing()
     assert opt.loss_scalers[0].pending_exit is None
