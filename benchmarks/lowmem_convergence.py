@@ -9,8 +9,12 @@ and prints per run the final training loss (mean of the last 100 steps), the hel
 and the difference to the "default" run, writes every loss curve to a CSV and, with
 matplotlib, a plot. Not part of the test suite (minutes of CPU):
 
-    python -m benchmarks.lowmem_convergence --out docs/images/lowmem       # both workloads
-    python -m benchmarks.lowmem_convergence --workloads digits --steps 200  # quicker look
+    python -m benchmarks.lowmem_convergence --out docs/img/lowmem_convergence   # both workloads
+    python -m benchmarks.lowmem_convergence --workloads digits --seeds 3        # docs' table
+    python -m benchmarks.lowmem_convergence --workloads digits --steps 200      # quicker look
+
+With --seeds N every format runs on seeds 0..N-1 (initial weights and batches) and the table
+compares each seed with the default run of the same seed.
 
 The models' parameters and gradients are bf16 (what the formats act on) but the forward and
 backward run in fp32 on an fp32 twin of the model (`Fp32Compute`): on this machine's CPU a bf16
