@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 from typing import Any, Callable, Optional
 
 import torch
@@ -180,7 +179,7 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     compiled = with_policy_autocast(
         torch.compile(forward, backend=fxamp_backend, dynamic=settings.dynamic,
                       fullgraph=settings.fullgraph), fxamp_backend.config,
-        recurrent=functools.cache(lambda: bool(untraced_modules(model))))
+        recurrent=_has_recurrent(model))
 
     def unprepare() -> None:
         record.undo()
@@ -196,6 +195,19 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     setattr(model, _BACKEND_ATTR, fxamp_backend)
     # Note [Copies keep the compiled call]
     make_copyable(model, _rebuild_copy, (fxamp_backend.config, settings), _BACKEND_ATTR)
+
+
+def _has_recurrent(model: torch.nn.Module) -> Callable[[], bool]:
+    """Whether `model` has recurrent modules Dynamo leaves eager, asked at the first call (a copy
+    being rebuilt has no submodules yet when it is compiled)."""
+    found: list[bool] = []
+
+    def has() -> bool:
+        if not found:
+            found.append(bool(untraced_modules(model)))
+        return found[0]
+
+    return has
 
 
 def _rebuild_copy(cls: type, config: AmpConfig, settings: CompileSettings) -> torch.nn.Module:
