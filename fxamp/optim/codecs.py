@@ -28,8 +28,10 @@ AMSGrad's max, and training slows (+5 % final loss on digits). m decays by beta1
 bf16 resolves but an int8 code of 5 or less does not (0.9 * 5 rounds back to 5): small
 momenta never die out (after 40 steps the sum of |m| is 11 % high). So every int8 state, and a
 bf16 v, is rounded stochastically, to the code below or above with the probabilities that make
-the decoded value unbiased (for v between the squares of the two roots, for m between the two
-companded values): it decays as Adam's does, in expectation. The random bits are those of
+the decoded value unbiased: m between the two companded values, and an int8 v in its square
+root, the quantity the update divides by (unbiased in v itself, the noise made the steps larger
+on average, E[1/sqrt(v)] > 1/sqrt(E[v]): digits ended 0.62 % below fp32's final loss over three
+seeds, against 0.22 % rounded in the root). Each decays as Adam's does, in expectation. The random bits are those of
 Note [16-bit masters] (a counter-based hash), on a stream per state and bucket
 (`state_stream`), so a resumed or another rank's run draws the same. The non-zero rule above
 still holds (a rounding to code 0 of a non-zero v takes code 1).
@@ -82,7 +84,7 @@ def decode_state(bufs: tuple[Tensor, ...], unsigned: bool) -> Tensor:
     s = scale.float()[:, None]
     if unsigned:
         root = codes.float().view(-1, BLOCK) * (s / 255)
-        return root.square().view(-1)  # not _unsquare(codes) * s**2: the product may underflow
+        return root.square().view(-1)
     return (_uncompand(codes.float().view(-1, BLOCK)) * s).view(-1)
 
 
@@ -99,15 +101,15 @@ def encode_state(x: Tensor, bufs: tuple[Tensor, ...], unsigned: bool,
     s = _bf16_above(blocks.abs().amax(1))[:, None]
     y = torch.where(s > 0, blocks / s, 0.0).clamp(-1, 1)
     if unsigned:
-        q = _round(y * 255, y.square(), _unsquare, bits, (0, 255))
+        q = _round(y * 255, y, _root, bits, (0, 255))
         q = torch.where((q == 0) & (y > 0), 1.0, q)  # Note [8-bit moments]
     else:
         q = _round(254 * y / (1 + y.abs()), y, _uncompand, bits, (-127, 127))
     return q.view(-1).to(codes.dtype), s.view(-1).to(torch.bfloat16)
 
 
-def _unsquare(code: Tensor) -> Tensor:
-    return (code / 255).square()  # v / scale**2 of a uint8 code
+def _root(code: Tensor) -> Tensor:
+    return code / 255  # sqrt(v) / scale of a uint8 code
 
 
 def _uncompand(code: Tensor) -> Tensor:
