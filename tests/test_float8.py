@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import fxamp
+from float8_reference import dequant
 from fxamp import _compat
 from fxamp.float8 import Float8Config
 from fxamp.float8.gemm import float8_linear
@@ -26,15 +27,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 def _dequant(x, dtype, dim, rowwise):
-    """x rounded through float8 the recipe's way, back in float64 (written from torchao's
-    description: scale = finfo.max / amax, saturate, cast; rowwise: per row/column over the
-    contraction dim, scales rounded down to powers of two)."""
-    amax = x.abs().amax(dim=dim, keepdim=True) if rowwise else x.abs().max()
-    scale = (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
-    if rowwise:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    fmax = torch.finfo(dtype).max
-    return (x.float() * scale).clamp(-fmax, fmax).to(dtype).double() / scale.double()
+    return dequant(x, dtype, dim, rowwise, pow2=rowwise)  # rowwise scales are powers of two
 
 
 def reference_linear(x, w, g, recipe):

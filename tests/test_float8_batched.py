@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fxamp
+from float8_reference import dequant
 from fxamp import _compat
 from fxamp.float8 import RECIPES as SPECS, Float8Config
 from fxamp.float8.gemm import Float8MM, float8_bmm, float8_matmul
@@ -19,23 +20,12 @@ RECIPES = ["tensorwise", pytest.param("rowwise", marks=_NO_ROWWISE),
 SMALL = dict(min_dim=16)  # the tests' GEMMs are 16/32 wide
 
 
-def _dequant(x, dtype, dim, rowwise, pow2):
-    """x rounded through float8 the recipe's way (scale = finfo.max / amax over the
-    contraction dim `dim` or the whole matrix, saturated, cast), back in float64."""
-    amax = x.abs().amax(dim=dim, keepdim=True) if rowwise else x.abs().max()
-    scale = (torch.finfo(dtype).max / amax.double().clamp(min=1e-12)).float()
-    if pow2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    fmax = torch.finfo(dtype).max
-    return (x.float() * scale).clamp(-fmax, fmax).to(dtype).double() / scale.double()
-
-
 def reference_mm(a, b, g, recipe):
     """Output and gradients of a 2-D a @ b in the recipe (torchao's semantics), in float64:
     output = a8 @ b8; grad_a = g8 @ b^T8 (b^T tensorwise in rowwise_with_gw_hp);
     grad_b = (g^T8 @ a8)^T, or a^T @ g unrounded in rowwise_with_gw_hp."""
     r = SPECS[recipe]
-    q = lambda x, dtype, dim, rowwise=r.rowwise: _dequant(x, dtype, dim, rowwise, r.pow2_scales)
+    q = lambda x, dtype, dim, rowwise=r.rowwise: dequant(x, dtype, dim, rowwise, r.pow2_scales)
     out = q(a, r.input, -1) @ q(b, r.weight, 0)
     grad_a = q(g, r.grad_output, -1) @ q(b.t(), r.weight, 0,
                                           r.rowwise and not r.weight_tensorwise_for_grad_input)
