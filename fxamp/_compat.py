@@ -80,6 +80,30 @@ def inductor_config_keys() -> frozenset[str]:
     return frozenset(inductor_config.get_config_copy())
 
 
+# Inductor's store-versus-recompute thresholds (a pointwise value with several users and more
+# reads or ops than these is written to a buffer). Names differ by version: 2.11.0 has the first
+# three; 2.13.0 adds the CPU ones; 2.14.1 adds realize_opusers_threshold. Checked on all three.
+_REALIZE_THRESHOLDS = ("realize_reads_threshold", "realize_opcount_threshold",
+                       "realize_acc_reads_threshold", "realize_cpu_opcount_threshold",
+                       "realize_cpu_acc_reads_threshold", "realize_opusers_threshold")
+
+
+def recompute_pointwise_options() -> dict[str, int]:
+    """`torch.compile(options=...)` that let Inductor recompute a pointwise value in each
+    consumer instead of writing it to memory (Note [A codec the CPU runs fast] in
+    fxamp/optim/codecs.py), with the threshold names this torch has."""
+    keys = inductor_config_keys()
+    return {name: 1 << 30 for name in _REALIZE_THRESHOLDS if name in keys}
+
+
+def run_and_get_code(fn: Callable, *args: Any) -> tuple[Any, list[str]]:
+    """fn(*args) and the source of every module Inductor generated meanwhile (tests read it).
+    Checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._inductor.utils import run_and_get_code as inductor_run_and_get_code
+
+    return inductor_run_and_get_code(fn, *args)
+
+
 def aot_eager(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):
     """Dynamo's "aot_eager" backend (AOTAutograd, no Inductor); takes fw_/bw_compiler.
     Checked on 2.11.0, 2.13.0, 2.14.1."""

@@ -2,7 +2,10 @@
 
 Every function here runs inside the compiled `update` graph, elementwise or per block, with no
 host read. `decode_*` turns the stored buffers into fp32; `encode_*` turns new fp32 values into
-new buffer contents, which the caller selects against the old ones when the step is skipped.
+new buffer contents, which the caller selects against the old ones when the step is skipped and
+stores. 8-bit contents come back as exact integers in a wider type (fp32 codes, an int32
+correction) that converts to the buffer's dtype without rounding: the select is done on those
+(fused_step's Note [Selecting 8-bit codes]).
 
 # Note [8-bit moments]
 Each moment is split into blocks of BLOCK elements with one bf16 scale per block, the block's
@@ -27,14 +30,18 @@ bf16 v alike still hold e**0.5 = 1 / 0.999**500 times Adam's). The steps then sh
 AMSGrad's max, and training slows (+5 % final loss on digits). m decays by beta1 = 0.9, which
 bf16 resolves but an int8 code of 5 or less does not (0.9 * 5 rounds back to 5): small
 momenta never die out (after 40 steps the sum of |m| is 11 % high). So every int8 state, and a
-bf16 v, is rounded stochastically, to the code below or above with the probabilities that make
-the decoded value unbiased: m between the two companded values, and an int8 v in its square
-root, the quantity the update divides by (unbiased in v itself, the noise made the steps larger
-on average, E[1/sqrt(v)] > 1/sqrt(E[v]): digits ended 0.62 % below fp32's final loss over three
-seeds, against 0.22 % rounded in the root). Each decays as Adam's does, in expectation. The random bits are those of
-Note [16-bit masters] (a counter-based hash), on a stream per state and bucket
-(`state_stream`), so a resumed or another rank's run draws the same. The non-zero rule above
-still holds (a rounding to code 0 of a non-zero v takes code 1).
+bf16 v, is rounded stochastically: the real-valued code c goes to floor(c + u), u uniform in
+[0, 1) from 16 random bits, so E[code] = c. For v's uint8 code, linear in sqrt(v), that is
+unbiased in sqrt(v), the quantity the update divides by (unbiased in v itself, the noise made
+the steps larger on average, E[1/sqrt(v)] > 1/sqrt(E[v]): digits ended 0.62 % below fp32's final
+loss over three seeds, against 0.22 % rounded in the root). For m's companded code the decoded
+value is convex in the code, so rounding unbiased in the code leaves a bias away from zero of at
+most 1/8 of the curvature times a code step squared: below 3.2e-5 of the block's scale (0.2 %
+of a code step), and under 0.4 % of a small m itself, which therefore still decays by about
+0.9 per step (tested against float64). The random bits are those of Note [16-bit masters] (a
+counter-based hash), on a stream per state and bucket (`state_stream`), so a resumed or another
+rank's run draws the same. The non-zero rule above still holds (a rounding to code 0 of a
+non-zero v takes code 1).
 
 # Note [16-bit masters]
 With a bf16 model, the model itself is the master (no fp32 copy); the bits that bf16 drops are
@@ -42,13 +49,36 @@ kept, or not, by the master kind:
 - "kahan": a bf16 compensation buffer holds new - round(new), so weight + compensation carries
   about 16 significant bits and every update's rounding error is carried into the next one
   (Kahan summation; torch-optimi's Kahan-compensated updates).
-- "int8_error": FlashOptim's split: the error new - round(new) is at most half an ulp of the
-  rounded bf16 value, so it is stored as an int8 fraction of that half ulp (a 24-bit master in
-  3 bytes).
+- "int8_error": FlashOptim's split, a 24-bit master in 3 bytes: the update's fp32 result is
+  rounded to 24 bits (sign, exponent, 15 mantissa bits), the model weight is that rounded to the
+  nearest bf16, and the 8 bits between them are an int8 (the difference, a multiple of 2**8 in
+  [-2**15, 2**15) on the integer bits). Decoding puts them back: exact integer work on the
+  bits, no division.
 - "stochastic": no extra buffer; the update rounds up or down with probability given by the
   distance (unbiased in expectation). The random bits are a hash of (seed, step, bucket,
   element index) computed in the graph (a counter-based generator: no generator state to
   save, and a resumed run draws the same bits).
+
+# Note [A codec the CPU runs fast]
+The 8-bit step is one compiled graph whose cost on a CPU is the instructions per element (the
+bytes it moves are fewer than the fp32 step's). What made it 28x the default step, and what
+each fix was (measured at 10M parameters, 2 threads, AVX-512; docs/optimizer_memory.md):
+- Inductor writes a pointwise value with several users and more than a few reads to memory
+  instead of recomputing it; the new moments (read by the block amax and by the encode) and
+  the stochastic rounding's comparison became full-size fp32 and bool buffers, and a bool
+  buffer is read and written by scalar loops. The update graph is compiled with those
+  thresholds lifted (`_compat.recompute_pointwise_options`): the block amax loop recomputes
+  the cheap moment updates from the 1-byte codes, and the one elementwise loop computes each
+  value once (Inductor's common-subexpression elimination merges what the encodes and the
+  update share).
+- Selecting old or new int8 codes under a skip (a 0-dim bool) cast the mask lane by lane;
+  selecting in fp32 and converting after is vectorised (fused_step's Note [Selecting 8-bit
+  codes]).
+- The random bits: one 32-bit hash per element serves m and v (a half each) and is computed
+  in int32 lanes, not int64 pairs; the stochastic rounding adds the bits to the real-valued
+  code and takes the floor (no decode of the two neighbouring codes, no division).
+- Division by a block's scale is a multiplication by its reciprocal, one division per block.
+- int8_error's master is integer work on the bits (no per-element ulp, no division).
 """
 
 from __future__ import annotations
@@ -62,7 +92,6 @@ __all__ = ["BLOCK", "new_state", "decode_state", "encode_state", "new_correction
 
 Tensor = torch.Tensor
 BLOCK = 64  # elements per scale of an 8-bit moment; equals flat.ALIGN (see the Note)
-_M32 = 0xFFFFFFFF
 
 
 # ------------------------------------------------------------------------------------ moments
@@ -83,52 +112,50 @@ def decode_state(bufs: tuple[Tensor, ...], unsigned: bool) -> Tensor:
     codes, scale = bufs
     s = scale.float()[:, None]
     if unsigned:
-        root = codes.float().view(-1, BLOCK) * (s / 255)
+        root = codes.float().view(-1, BLOCK) * (s * (1 / 255))
         return root.square().view(-1)
     return (_uncompand(codes.float().view(-1, BLOCK)) * s).view(-1)
 
 
 def encode_state(x: Tensor, bufs: tuple[Tensor, ...], unsigned: bool,
                  bits: Optional[Tensor] = None) -> tuple[Tensor, ...]:
-    """With `bits` (random_bits) the state is rounded stochastically, unbiased (Note [Rounding
-    compact moments stochastically]); without them every value rounds to nearest."""
+    """With `bits` (random_bits) the state is rounded stochastically (Note [Rounding compact
+    moments stochastically]); without them every value rounds to nearest."""
     if len(bufs) == 1:
         if bits is not None and bufs[0].dtype == torch.bfloat16:
             return (_round_stochastic(x, bits),)
         return (x.to(bufs[0].dtype),)
     codes, _ = bufs
-    blocks = x.clamp_min(0).sqrt().view(-1, BLOCK) if unsigned else x.view(-1, BLOCK)
-    s = _bf16_above(blocks.abs().amax(1))[:, None]
-    y = torch.where(s > 0, blocks / s, 0.0).clamp(-1, 1)
+    if unsigned:  # v >= 0 (a sum of non-negative terms); the root the update takes anyway
+        blocks = x.sqrt().view(-1, BLOCK)
+        top = x.view(-1, BLOCK).amax(1).sqrt()  # = max of the roots, one root per block
+    else:
+        blocks = x.view(-1, BLOCK)
+        top = blocks.abs().amax(1)
+    s = _bf16_above(top)[:, None]
+    # One division per block, not per element (Note [A codec the CPU runs fast]).
+    y = (blocks * torch.where(s > 0, 1 / s, 0.0)).clamp(-1, 1)
     if unsigned:
-        q = _round(y * 255, y, _root, bits, (0, 255))
+        code = y * 255
+        q = _round(code, bits).clamp(0, 255)
         q = torch.where((q == 0) & (y > 0), 1.0, q)  # Note [8-bit moments]
     else:
-        q = _round(254 * y / (1 + y.abs()), y, _uncompand, bits, (-127, 127))
-    return q.view(-1).to(codes.dtype), s.view(-1).to(torch.bfloat16)
-
-
-def _root(code: Tensor) -> Tensor:
-    return code / 255  # sqrt(v) / scale of a uint8 code
+        q = _round(254 * y / (1 + y.abs()), bits).clamp(-127, 127)
+    return q.view(-1), s.view(-1).to(torch.bfloat16)  # q: fp32 codes, exact integers
 
 
 def _uncompand(code: Tensor) -> Tensor:
-    z = code / 127
+    z = code * (1 / 127)
     return z / (2 - z.abs())  # m / scale of an int8 code: the inverse of 2y / (1 + |y|)
 
 
-def _round(code: Tensor, value: Tensor, decode, bits: Optional[Tensor],
-           limits: tuple[int, int]) -> Tensor:
+def _round(code: Tensor, bits: Optional[Tensor]) -> Tensor:
     """The real-valued `code` rounded to nearest, or with `bits` to its floor or ceiling with
-    the probability that makes the decoded value unbiased (Note [Rounding compact moments
+    the probability that makes the code unbiased (Note [Rounding compact moments
     stochastically])."""
     if bits is None:
         return code.round()
-    lo = code.floor()
-    below, above = decode(lo), decode(lo + 1)
-    up = (value - below) / (above - below)
-    u = bits.view(code.shape).float() * 2.0**-16
-    return torch.where(u < up, lo + 1, lo).clamp(*limits)
+    return (code + bits.view(code.shape).float() * 2.0**-16).floor()
 
 
 # ------------------------------------------------------------------------------------ masters
@@ -141,18 +168,12 @@ def new_correction(param: Tensor, master: str) -> Optional[Tensor]:
     return None
 
 
-def _half_ulp(w: Tensor) -> Tensor:
-    """Half the spacing of bf16 numbers at w (an fp32 holding a bf16 value): 2**(e - 8)."""
-    exponent = (w.view(torch.int32) >> 23) & 0xFF
-    return ((exponent - 8).clamp_min(1) << 23).view(torch.float32)
-
-
 def decode_master(bufs: tuple[Tensor, ...], master: str) -> Tensor:
     w = bufs[0].float()
     if master == "kahan":
         return w + bufs[1].float()
-    if master == "int8_error":
-        return w + bufs[1].float() * (_half_ulp(w) / 127)
+    if master == "int8_error":  # the 24-bit master: bf16's bits and 8 more below them
+        return (w.view(torch.int32) + (bufs[1].to(torch.int32) << 8)).view(torch.float32)
     return w
 
 
@@ -162,11 +183,16 @@ def encode_master(x: Tensor, bufs: tuple[Tensor, ...], master: str,
         return (_round_stochastic(x, bits),)
     if master == "fp32":
         return (x.to(bufs[0].dtype),)
-    w = bf16_value(x)
     if master == "kahan":
+        w = bf16_value(x)
         return w.to(torch.bfloat16), (x - w).to(torch.bfloat16)
-    frac = ((x - w) / _half_ulp(w)).clamp(-1, 1)  # int8_error
-    return w.to(torch.bfloat16), (frac * 127).round().to(torch.int8)
+    # int8_error: x rounded to 24 bits (8 below bf16's), then to the nearest bf16 (ties away
+    # from zero, in magnitude on the bits); what is left is a multiple of 2**8 in [-2**15,
+    # 2**15), stored as an int8 count of 2**8 (Note [16-bit masters]). All in int32: finite
+    # values never wrap (the largest finite float's bits are 0x7F7FFFFF).
+    t = (x.view(torch.int32) + 0x80) & -256
+    w = (t + 0x8000) & -65536
+    return w.view(torch.float32).to(torch.bfloat16), (t - w) >> 8  # int32, in [-128, 127]
 
 
 def bf16_value(x: Tensor) -> Tensor:
@@ -176,45 +202,62 @@ def bf16_value(x: Tensor) -> Tensor:
     Inductor may drop a round trip `x.to(bfloat16).float()` inside one kernel (it computes
     bf16 in fp32 unless emulate_precision_casts is set), and the rounding error that a
     correction term or a block scale must match would then read as 0. Integer rounding on
-    the bits is kept: add 0x7FFF plus the lowest kept bit, clear the 16 dropped bits.
+    the bits is kept: add 0x7FFF plus the lowest kept bit, clear the 16 dropped bits. In
+    int32: for every finite x the sum stays below 2**31 in magnitude (the largest finite
+    float's bits are 0x7F7FFFFF), so it never wraps.
     """
-    raw = x.view(torch.int32).to(torch.int64)
-    raw = (raw + 0x7FFF + ((raw >> 16) & 1)) & -65536
-    return raw.to(torch.int32).view(torch.float32)
+    raw = x.view(torch.int32)
+    return ((raw + (0x7FFF + ((raw >> 16) & 1))) & -65536).view(torch.float32)
 
 
 def _bf16_above(x: Tensor) -> Tensor:
     # The smallest bf16 >= x (x >= 0, finite), as fp32: a block scale that no value of the block
     # exceeds, so none is clipped (a clip of the largest v, repeated, would bias it down).
-    raw = x.view(torch.int32).to(torch.int64)
-    return ((raw + 0xFFFF) & -65536).to(torch.int32).view(torch.float32)
+    return ((x.view(torch.int32) + 0xFFFF) & -65536).view(torch.float32)
 
 
 def _round_stochastic(x: Tensor, bits: Tensor) -> Tensor:
     # Adding 16 random bits below bf16's last place and truncating rounds up with probability
     # (dropped bits) / 2**16, on the magnitude, so either sign is unbiased.
-    raw = x.view(torch.int32).to(torch.int64)
-    return ((raw + bits) & -65536).to(torch.int32).view(torch.float32).to(torch.bfloat16)
+    return ((x.view(torch.int32) + bits) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
-def _hash(x: Tensor) -> Tensor:
-    # A 32-bit integer finaliser (xorshift-multiply); multipliers below 2**31 keep every
-    # product under 2**63, so int64 arithmetic never overflows.
+def _hash64(x: Tensor) -> Tensor:
+    # A 32-bit integer finaliser (xorshift-multiply) in int64: multipliers below 2**31 keep
+    # every product under 2**63. Used on the one scalar key of a step.
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
     x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) & _M32
+    x = (x * 0x5BD1E995) & 0xFFFFFFFF
     return x ^ (x >> 16)
 
 
+def _mix(x: Tensor) -> Tensor:
+    # The same finaliser per element in int32, whose products wrap as uint32's would (the
+    # vectorised kernels and eager torch multiply int32 lanes modulo 2**32); the shifts mask
+    # the sign bits an arithmetic shift drags in.
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * 0x5BD1E995
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
 def state_stream(bucket: int, state: int) -> int:
-    """The random stream of state `state` of bucket `bucket` (masters use stream `bucket`)."""
-    return (state + 1) << 20 | bucket
+    """The random stream of state `state` of bucket `bucket` (its master uses `bucket << 3`).
+
+    A stream's 16 bits are one half of a 32-bit hash word; Adam's m and v (states 0 and 1)
+    take the two halves of one word, so the step hashes each element once for both
+    (Note [A codec the CPU runs fast])."""
+    return (bucket << 3) + 2 + state
 
 
 def random_bits(numel: int, seed: int, step: Tensor, stream: int) -> Tensor:
-    """16 random bits per element, int64, a pure function of (seed, step, stream, index)."""
-    base = (seed * 0x85EBCA6B + stream * 0xC2B2AE35) & _M32
-    key = _hash((step.to(torch.int64) * 0x9E3779B1 + base) & _M32)
-    index = torch.arange(numel, dtype=torch.int64, device=step.device)
-    return _hash(index ^ key) & 0xFFFF
+    """16 random bits per element (int32 in [0, 2**16)), a pure function of (seed, step,
+    stream, index); streams 2k and 2k + 1 are the low and high halves of one hash."""
+    word = stream >> 1
+    base = (seed * 0x85EBCA6B + word * 0xC2B2AE35) & 0x7FFFFFFF
+    key = _hash64((step.to(torch.int64) * 0x9E3779B1 + base) & 0xFFFFFFFF) & 0x7FFFFFFF
+    index = torch.arange(numel, dtype=torch.int32, device=step.device)
+    bits = _mix(index ^ key.to(torch.int32))
+    return (bits >> 16) & 0xFFFF if stream & 1 else bits & 0xFFFF

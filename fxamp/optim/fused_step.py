@@ -42,7 +42,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from fxamp._compat import compile_fresh
+from fxamp._compat import compile_fresh, recompute_pointwise_options
 from fxamp.optim import codecs, distributed
 from fxamp.optim.scale_rule import ScaleRule, next_scale_state, scale_is_valid
 
@@ -137,7 +137,7 @@ def update(weights: Sequence[tuple[Tensor, ...]], grads: Sequence[Tensor],
                                   c, *ax)
         bits = None
         if masters[i] == "stochastic":
-            bits = codecs.random_bits(w[0].numel(), seed, c[STEP], i)
+            bits = codecs.random_bits(w[0].numel(), seed, c[STEP], i << 3)
         _write(w, codecs.encode_master(new_w, w, masters[i], bits), skip)
         for k, (s, new, u) in enumerate(zip(st, new_st, unsigned)):
             bits = None
@@ -149,8 +149,13 @@ def update(weights: Sequence[tuple[Tensor, ...]], grads: Sequence[Tensor],
 
 
 def _write(bufs: Sequence[Tensor], new: Sequence[Tensor], skip: Tensor) -> None:
+    # Note [Selecting 8-bit codes]: Inductor's vectorised C++ casts a 0-dim bool mask to an
+    # int8 mask lane by lane (a scalar loop per vector, a third of the 8-bit step's time), and
+    # torch 2.11 wrote converted codes to a full-size buffer before selecting. The codecs hand
+    # 8-bit contents over as exact fp32 or int32 values; the select is one blend on those
+    # lanes, and the conversion to the buffer's dtype comes last.
     for old, value in zip(bufs, new):
-        old.copy_(torch.where(skip, old, value))
+        old.copy_(torch.where(skip, old.to(value.dtype), value).to(old.dtype))
 
 
 def fold_grads(raws: Sequence[Tensor], accs: Sequence[Tensor], inv_scale: Tensor,
@@ -207,8 +212,10 @@ def compiled() -> StepFns:
     """`prologue`, `update`, `fold_grads` and `gather_grads` compiled for one optimizer, with
     Dynamo caches of their own (Note [One compiled step per optimizer]); each compiles when it
     is first called."""
-    return StepFns(**{fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False)
-                      for fn in _STEP_FNS})
+    fns = {fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False) for fn in _STEP_FNS}
+    fns["update"] = compile_fresh(update, fullgraph=True, dynamic=False,
+                                  options=recompute_pointwise_options())
+    return StepFns(**fns)
 
 
 eager = StepFns(**{fn.__name__: fn for fn in _STEP_FNS})
