@@ -253,8 +253,8 @@ def test_compiled_step_matches_the_eager_functions(fmt):
     # Note [Rounding that the compiler keeps]: without the integer rounding, Inductor dropped
     # the bf16 rounding inside the kernel and every correction term read as 0. Bit for bit
     # the two cannot agree on every CPU: eager torch.sqrt is not correctly rounded on every
-    # build (measured on an AVX-512 machine: off by up to 0.52 ulp, where Inductor's is
-    # exact), and a 1-ulp change of an update moves a code or a correction across a rounding
+    # build (measured on an AVX-512 machine: off by up to 0.75 ulp, where Inductor's is
+    # correctly rounded), and a 1-ulp change of an update moves a code or a correction across a rounding
     # boundary now and then. So: nearly every element bit-identical, the decoded masters
     # within three steps of one int8 code of Adam's direction (lr * 2/127 each), and the
     # compiled corrections not all zero.
