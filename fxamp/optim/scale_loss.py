@@ -38,12 +38,14 @@ def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0,
             before the step (`fxamp.optim.unscale_` on each optimizer; costs two extra passes).
 
     Raises:
-        ConfigError: `loss_id` outside the `num_losses` given to `initialize`,
+        ConfigError: `loss_id` not an int (a LossScaler passed third is named, with or
+            without `initialize`), outside the `num_losses` given to `initialize`,
             `unscale_on_exit` with `delay_unscale`, an optimizer not from `initialize` in a list.
     """
     opts = tuple(optimizers) if isinstance(optimizers, (list, tuple)) else (optimizers,)
     scalers = getattr(opts[0], "loss_scalers", None) if opts else None
     if not scalers:
+        _check_loss_id_type(loss_id)  # a scaler passed third would otherwise be ignored
         yield loss
         return
     _check_scale_loss(opts, len(scalers), loss_id, delay_unscale, unscale_on_exit)
@@ -62,10 +64,22 @@ def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0,
             unscale_(opt)
 
 
+def _check_loss_id_type(loss_id: Any) -> None:
+    if isinstance(loss_id, LossScaler):
+        raise ConfigError(
+            f"scale_loss(loss, optimizers, {loss_id!r}): the third argument is loss_id (an int), "
+            "not a LossScaler. scale_loss uses the scalers fxamp.optim.initialize gave the "
+            "optimizers; with a LossScaler of your own, backpropagate scaler.scale(loss) and "
+            "call opt.step(scaler)")
+    if isinstance(loss_id, bool) or not isinstance(loss_id, int):
+        raise ConfigError(f"loss_id={loss_id!r} must be an int (the index of the loss, "
+                          "0..num_losses-1 of fxamp.optim.initialize)")
+
+
 def _check_scale_loss(opts: tuple, num_losses: int, loss_id: Any, delay_unscale: Any,
                       unscale_on_exit: Any) -> None:
-    if isinstance(loss_id, bool) or not isinstance(loss_id, int) or not (
-            0 <= loss_id < num_losses):
+    _check_loss_id_type(loss_id)
+    if not 0 <= loss_id < num_losses:
         raise ConfigError(f"loss_id={loss_id!r} is out of range: initialize(num_losses="
                           f"{num_losses}) made loss ids 0..{num_losses - 1}")
     for i, opt in enumerate(opts):

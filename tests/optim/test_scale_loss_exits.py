@@ -260,3 +260,20 @@ def test_scale_loss_refusals_change_nothing():
         fo.unscale_(torch.optim.SGD(make_mlp().parameters(), lr=0.1))
     assert bit_identical(snapshot(opt), before) and opt.folding.folds_nothing()
     assert opt.loss_scalers[0].pending_exit is None
+
+
+def test_a_loss_scaler_passed_as_loss_id_is_refused_not_ignored():
+    # Without initialize the optimizer has no scalers and scale_loss yields the loss as it is;
+    # a LossScaler in loss_id's place would have been silently ignored (an fp16 run unscaled).
+    model = make_mlp()
+    opt, scaler = fo.AdamW(model.parameters(), compile=False), fo.LossScaler(compile=False)
+    loss = loss_of(model, 0)
+    with pytest.raises(ConfigError, match=r"the third argument is loss_id \(an int\), not a "
+                                          r"LossScaler.*opt.step\(scaler\)"):
+        with fo.scale_loss(loss, opt, scaler):
+            pass
+    with pytest.raises(ConfigError, match="loss_id='0' must be an int"):
+        with fo.scale_loss(loss, opt, "0"):
+            pass
+    with fo.scale_loss(loss, opt) as same:  # no initialize: the loss unchanged, as before
+        assert same is loss
