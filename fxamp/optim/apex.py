@@ -69,6 +69,8 @@ def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool =
     opt_list, opts_was_list = _as_list(optimizers, object, "optimizers")
     _check_models(model_list, config)
     _check_optimizers(opt_list)
+    if model_list:
+        _check_state_formats(opt_list, config, check_model(model_list[0], config).model_dtype)
     # Everything is checked: from here on models and optimizers change.
     compiled = [prepare(m, config, settings=CompileSettings(compiler)).fn for m in model_list]
     inductor = compiler == "inductor"
@@ -114,6 +116,26 @@ def _check_optimizers(opts: list) -> None:
                     raise ConfigError(f"a parameter of shape {tuple(p.shape)} is in both "
                                       f"optimizers[{owner[id(p)]}] and optimizers[{i}]; each "
                                       "parameter can live in one flat buffer only")
+
+
+def _check_state_formats(opts: list, config: AmpConfig,
+                         model_dtype: Optional[torch.dtype]) -> None:
+    # What the converted optimizer's own check would refuse once the model is cast, refused
+    # before anything changes (state_format.check_params).
+    for i, opt in enumerate(opts):
+        fmt = getattr(opt, "state_format", None)
+        if not isinstance(opt, FusedOptimizer) or fmt.master == "fp32":
+            continue
+        where = f"optimizers[{i}] ({type(opt).__name__}) has state_format master={fmt.master!r}"
+        if config.master_weights is False:
+            raise ConfigError(f"{where}, which keeps master weights in the bf16 model, but "
+                              f"opt_level {config.opt_level} keeps none (master_weights=False)"
+                              "; use O2, or a state_format with master='fp32'")
+        if model_dtype == torch.float16:
+            raise ConfigError(f"{where}, which makes a bfloat16 model its own master, but "
+                              f"opt_level {config.opt_level} casts the model to float16; pass "
+                              "cast_model_type=torch.bfloat16, or a state_format with "
+                              "master='fp32'")
 
 
 def _check_optimizer(i: int, opt: Any, opts: list) -> None:

@@ -34,9 +34,10 @@ def fused_class(opt: torch.optim.Optimizer) -> Optional[type]:
 def to_fused(opt: torch.optim.Optimizer, cls: type, *, master_weights: bool,
              compile: bool) -> FusedOptimizer:
     """A new `cls` over `opt`'s param groups (its state is not carried over); an fxamp
-    optimizer keeps its `max_grad_norm` (initialize carries its LARC settings over)."""
+    optimizer keeps its `max_grad_norm` and `state_format` (initialize carries its LARC
+    settings over)."""
     groups = [{k: v for k, v in g.items() if k not in _DROPPED_KEYS} for g in opt.param_groups]
     extra: dict[str, Any] = {}
-    if isinstance(opt, FusedOptimizer):
-        extra["max_grad_norm"] = opt.max_grad_norm
+    if isinstance(opt, FusedOptimizer):  # its own settings, besides the param groups
+        extra.update(max_grad_norm=opt.max_grad_norm, state_format=opt.state_format)
     return cls(groups, master_weights=master_weights, compile=compile, **extra)

@@ -228,3 +228,34 @@ def test_set_loss_scalers_takes_loss_scalers_only():
     shared = fo.LossScaler("dynamic", compile=False)
     wrapped.set_loss_scalers([shared])
     assert wrapped.loss_scaler is shared and wrapped.loss_scalers == (shared,)
+
+
+def test_an_fxamp_optimizer_keeps_its_state_format_through_initialize():
+    # initialize rebuilds the optimizer over the cast model; the state format it was given
+    # used to be dropped without a word (a low_memory run silently kept 16 bytes/param).
+    model = make_mlp()
+    opt = fo.AdamW(model.parameters(), lr=1e-3, state_format="low_memory", max_grad_norm=1.0)
+    model, opt = fo.initialize(model, opt, opt_level="O2", cast_model_type=torch.bfloat16,
+                               compiler="aot_eager")
+    assert opt.state_format == fo.StateFormat.from_preset("low_memory")
+    assert opt.max_grad_norm == 1.0
+    with fo.scale_loss(loss_of(model, 0), opt) as loss:
+        loss.backward()
+    opt.step()
+    assert opt.state[next(model.parameters())]["exp_avg"].dtype == torch.int8
+
+
+@pytest.mark.parametrize("level,overrides,match", [
+    ("O3", {"cast_model_type": torch.bfloat16}, "opt_level O3 keeps none"),
+    ("O2", {"cast_model_type": torch.float16}, "casts the model to float16; pass "
+                                                "cast_model_type=torch.bfloat16")])
+def test_a_state_format_the_cast_model_cannot_hold_is_refused_before_anything_changes(
+        level, overrides, match):
+    model = make_mlp()
+    opt = fo.AdamW(model.parameters(), lr=1e-3, state_format="low_memory")
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match=r"optimizers\[0\] \(AdamW\) has state_format "
+                                          r"master='int8_error'.*" + match):
+        fo.initialize(model, opt, opt_level=level, compiler="aot_eager", **overrides)
+    assert all(p.dtype == torch.float32 and torch.equal(p, w)
+               for p, w in zip(model.parameters(), weights))
