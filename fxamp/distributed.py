@@ -80,10 +80,30 @@ def load(checkpoint_id: Any, *, model: torch.nn.Module,
     (Note [What a distributed checkpoint holds]). Build and wrap them as for training first."""
     import torch.distributed.checkpoint as dcp
 
+    _check_scale_shards(checkpoint_id, optimizer, dcp_kwargs)
     state = state_dict(model, optimizer, scaler)
     dcp.load(state, checkpoint_id=checkpoint_id, **dcp_kwargs)
     load_state_dict(state, model, optimizer, scaler)
     log.debug("loaded %s", checkpoint_id)
+
+
+def _check_scale_shards(checkpoint_id: Any, optimizer: Any, dcp_kwargs: dict) -> None:
+    # DCP loads in place, into the optimizer's own buffers: a checkpoint whose 8-bit block
+    # scales describe another sharding is refused before that, from its one small entry.
+    from fxamp.optim import checkpoint
+    from fxamp.optim.optimizer import FusedOptimizer
+
+    if not isinstance(optimizer, FusedOptimizer) or not checkpoint.keeps_codes(optimizer):
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    probe = {"optimizer": {checkpoint.SCALE_SHARDS: -1}}  # -1: the checkpoint has no entry
+    kwargs = {k: v for k, v in dcp_kwargs.items() if k != "planner"}
+    dcp.load(probe, checkpoint_id=checkpoint_id,
+             planner=DefaultLoadPlanner(allow_partial_load=True), **kwargs)
+    saved = probe["optimizer"][checkpoint.SCALE_SHARDS]
+    checkpoint.check_scale_shards(optimizer, None if saved == -1 else saved)
 
 
 def check_ddp_order(ddp: torch.nn.Module) -> None:

@@ -10,7 +10,7 @@ live buffers, so the flat views and the compiled step stay valid.
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 
@@ -20,10 +20,14 @@ from fxamp.optim import param_checks
 from fxamp.optim.codecs import BLOCK
 
 
-__all__ = ["expose_state", "state_dict", "load_state_dict"]
+__all__ = ["expose_state", "state_dict", "load_state_dict", "SCALE_SHARDS", "scale_shards",
+           "check_scale_shards", "keeps_codes"]
 
 log = logging.getLogger(__name__)
 _CODES = {torch.int8, torch.uint8}
+# The state dict's entry naming the sharding its 8-bit block scales describe (Note [Block
+# scales of sharded parameters] in sharded.py): the ranks of the sharded parameters' mesh.
+SCALE_SHARDS = "block_scale_shards"
 
 
 class Checkpointable(Protocol):
@@ -79,6 +83,28 @@ def _param_ids(opt: "Checkpointable") -> dict[int, int]:
     return ids
 
 
+def scale_shards(opt: "Checkpointable") -> Optional[int]:
+    """The number of ranks over which this optimizer's 8-bit block scales are sharded, or None
+    when it keeps none of a sharded parameter."""
+    sizes = {b.params[0].device_mesh.size() for b, held in zip(opt.buckets, opt.bucket_states)
+             if getattr(b, "sharded", False) and any(len(bufs) == 2 for bufs in held.states)
+             and any(p.placements[0].is_shard() for p in b.params)}
+    return max(sizes) if sizes else None
+
+
+def check_scale_shards(opt: "Checkpointable", saved: Optional[int]) -> None:
+    """Refuse 8-bit state whose block scales describe another sharding than this optimizer's."""
+    here = scale_shards(opt)
+    if (saved or 1) == (here or 1):  # unsharded state and one rank's shards are alike
+        return
+    raise ConfigError(
+        f"the checkpoint's 8-bit optimizer state was saved with block scales over "
+        f"{saved or 1} rank(s), and this {type(opt).__name__} shards its parameters over "
+        f"{here or 1}: a block scale belongs to one sharding's blocks, so loading it here would "
+        "decode the moments with the wrong scales (Note [Block scales of sharded parameters]). "
+        f"Load it with {saved or 1} rank(s)")
+
+
 def state_dict(opt: "Checkpointable") -> dict[str, Any]:
     ids = _param_ids(opt)
     groups = []
@@ -89,7 +115,11 @@ def state_dict(opt: "Checkpointable") -> dict[str, Any]:
     # One "step" per parameter, as torch.optim keeps it: a shared one would be incremented once
     # per parameter by a torch optimizer that loads this dict.
     state = {ids[id(p)]: {**entry, "step": entry["step"].clone()} for p, entry in opt.state.items()}
-    return {"state": state, "param_groups": groups}
+    out = {"state": state, "param_groups": groups}
+    shards = scale_shards(opt)
+    if shards is not None:
+        out[SCALE_SHARDS] = shards
+    return out
 
 
 def load_state_dict(opt: "Checkpointable", sd: dict[str, Any]) -> None:
@@ -99,6 +129,8 @@ def load_state_dict(opt: "Checkpointable", sd: dict[str, Any]) -> None:
         raise ConfigError(f"not an optimizer state dict: {keys}; expected 'state' and "
                           "'param_groups'")
     _check_groups(opt, sd["param_groups"])
+    if SCALE_SHARDS in sd or _holds_codes(sd["state"]):
+        check_scale_shards(opt, sd.get(SCALE_SHARDS))
     params = [p for group in opt.param_groups for p in group["params"]]
     entries = _checked_entries(opt, sd["state"], params)
     for group, saved in zip(opt.param_groups, sd["param_groups"]):
@@ -114,6 +146,17 @@ def load_state_dict(opt: "Checkpointable", sd: dict[str, Any]) -> None:
     for bucket in opt.buckets:
         bucket.mark_params_synced()
     log.debug("%s: loaded state for %d parameters", type(opt).__name__, len(sd["state"]))
+
+
+def _holds_codes(state: Any) -> bool:
+    entries = state.values() if isinstance(state, dict) else ()
+    return any(isinstance(v, torch.Tensor) and v.dtype in _CODES
+               for entry in entries if isinstance(entry, dict) for v in entry.values())
+
+
+def keeps_codes(opt: "Checkpointable") -> bool:
+    """Whether the optimizer keeps any 8-bit state (whose scales describe one sharding)."""
+    return any(len(bufs) == 2 for held in opt.bucket_states for bufs in held.states)
 
 
 def _checked_entries(opt: "Checkpointable", state: Any, params: list) -> list[tuple]:

@@ -24,7 +24,9 @@ shard, ceil(dim0 / ranks) rows (the size FSDP2 pads its own shards to). A parame
 are then the same number on every rank, and are exposed as a 1-D DTensor sharded over the
 mesh (global size ranks x that number): DCP writes every rank's scales, not rank 0's for all.
 The padding holds zeros that no step changes. A checkpoint so saved loads bit-exactly with the
-same number of ranks; its scales describe blocks of one sharding, so it does not reshard.
+same number of ranks; its scales describe blocks of one sharding, so it does not reshard: the
+state dict names the number of ranks (checkpoint.SCALE_SHARDS) and a load into another number
+is refused, by `fxamp.distributed.load` before DCP reads anything in place.
 """
 
 from __future__ import annotations

@@ -215,3 +215,42 @@ def sharded_refusals(rank):
         except ConfigError as e:
             refused[name] = str(e)
     return refused
+
+
+def save_low_memory(rank, path):
+    """Two low_memory FSDP2 steps on uneven shards (width 17), saved with fxamp.distributed."""
+    from fxamp import distributed as fd
+
+    model, wrapped, opt, scaler = build("fsdp", "O2", state_format="low_memory", hidden=17)
+    train(wrapped, opt, scaler, 2, rank=rank, world=dist.get_world_size(), kind="fsdp")
+    fd.save(path, model=wrapped, optimizer=opt, scaler=scaler)
+
+
+def load_low_memory(rank, path):
+    """Load save_low_memory's checkpoint into however many ranks run this; returns the refusal
+    (or None) and whether model, optimizer state and scale stayed bit-identical."""
+    from fxamp import distributed as fd
+    from fxamp.errors import ConfigError
+
+    model, wrapped, opt, scaler = build("fsdp", "O2", state_format="low_memory", hidden=17,
+                                        seed=1)
+    train(wrapped, opt, scaler, 1, rank=rank, world=dist.get_world_size(), kind="fsdp")
+
+    def tensors():
+        sd = fd.state_dict(wrapped, opt, scaler)
+        flat = [*sd["model"].values(), *(v for e in sd["optimizer"]["state"].values()
+                                         for v in e.values())]
+        return [t.to_local().clone() if hasattr(t, "to_local") else torch.as_tensor(t).clone()
+                for t in flat] + [torch.tensor(scaler.get_scale())]
+
+    before = tensors()
+    try:
+        fd.load(path, model=wrapped, optimizer=opt, scaler=scaler)
+        refusal = None
+    except ConfigError as e:
+        refusal = str(e)
+    after = tensors()
+    unchanged = len(before) == len(after) and all(
+        a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(before, after))
+    return refusal, unchanged
+

@@ -156,3 +156,24 @@ def test_low_memory_state_trains_like_one_process_and_resumes_bit_identically(ki
         assert straight["scale"] == again["scale"] and straight["step"] == again["step"]
         for key in ("params", "moments", "extra"):  # codes, block scales, master corrections
             assert torch.equal(straight[key], again[key]), key
+
+
+@pytest.mark.parametrize("load_world", [1, 3])
+def test_low_memory_checkpoint_from_other_world_size_is_refused_before_loading(load_world,
+                                                                                tmp_path):
+    # Note [Block scales of sharded parameters]: 8-bit block scales describe one sharding's
+    # blocks. DCP itself stops only where a parameter's count of scales differs between the
+    # two shardings (here it would: "Size mismatch ... exp_avg_scale"); where the counts agree
+    # and the blocks do not (a 17 x 4 weight: 2 x 1 blocks over 2 ranks, 1 x 2 over one), it
+    # loaded the scales of other blocks without a word. Refused now by what the checkpoint
+    # says of its sharding, with the reason and the fix, before anything is read into the
+    # model, the optimizer or the scaler.
+    path = str(tmp_path / "ckpt")
+    run_ranks(functools.partial(w.save_low_memory, path=path))
+    results = run_ranks(functools.partial(w.load_low_memory, path=path), world=load_world)
+    for refusal, unchanged in results:
+        assert refusal is not None and unchanged
+        assert (f"saved with block scales over 2 rank(s), and this AdamW shards its parameters "
+                f"over {load_world}") in refusal and "Load it with 2 rank(s)" in refusal
+    same = run_ranks(functools.partial(w.load_low_memory, path=path))  # 2 ranks: loads
+    assert all(refusal is None and not unchanged for refusal, unchanged in same)
