@@ -12,9 +12,11 @@ For each size it times, in one process, one optimizer step of:
                 copy to the 16-bit model
   fxamp NAME    O2 with a bf16 model: fxamp with state_format NAME (low_memory, compensated,
                 stochastic+int8; docs/optimizer_memory.md)
-  torchao AdamW8bit  O2: torchao's 8-bit AdamW on the 16-bit model (stochastic rounding for
-                bf16), where torchao imports (bitsandbytes, flashoptim, torch-optimi: the
-                header says whether they import; they are not timed)
+  peers         O2, on the 16-bit model, where they install and run (`pip install
+                ".[peers]"`; the header says of each whether it runs here, and why not):
+                torchao AdamW8bit (stochastic rounding for bf16), bitsandbytes AdamW8bit,
+                torch-optimi AdamW with kahan_sum, FlashOptim's FlashAdamW (on CPU its
+                quantisation refuses: it needs CUDA)
 and prints the bytes each method keeps per parameter between steps (model, gradients, masters,
 optimizer state: the distinct storages behind them), ms per step, effective GB/s at the bytes
 each parameter must move (28: an fp32 Adam step, or a 16-bit model with fp32 masters, moments
@@ -175,15 +177,56 @@ def _torchao_state(opt) -> list:
     return out
 
 
-def peers_installed() -> dict[str, bool]:
-    """Which of the issue's peers import here (the others are "not installed here")."""
+def build_bnb_8bit(shape_list, device, dtype):
+    """bitsandbytes' AdamW8bit (block-wise 8-bit moments) on the 16-bit model, as shipped: no
+    masters, no loss scaling."""
+    import bitsandbytes as bnb
+
+    opt = bnb.optim.AdamW8bit(_params(shape_list, dtype, device), lr=1e-3, weight_decay=0.01)
+    return Built(opt.step, _kept(opt))
+
+
+def build_optimi_kahan(shape_list, device, dtype):
+    """torch-optimi's AdamW on the 16-bit model with Kahan-compensated updates (bf16 moments
+    and compensation): the nearest peer of fxamp's "compensated" format."""
+    import optimi
+
+    opt = optimi.AdamW(_params(shape_list, dtype, device), lr=1e-3, weight_decay=0.01,
+                       kahan_sum=True)
+    return Built(opt.step, _kept(opt))
+
+
+def build_flashoptim(shape_list, device, dtype):
+    """FlashOptim's FlashAdamW (8-bit moments, 24-bit masters as bf16 + 8 bits): the format
+    fxamp's "low_memory" follows."""
+    import flashoptim
+
+    opt = flashoptim.FlashAdamW(_params(shape_list, dtype, device), lr=1e-3, weight_decay=0.01)
+    return Built(opt.step, _kept(opt))
+
+
+# pip's import name -> (the row's name, its builder); every one gets the 16-bit model.
+PEER_ROWS = {"torchao": ("torchao AdamW8bit", build_torchao_8bit),
+             "bitsandbytes": ("bitsandbytes AdamW8bit", build_bnb_8bit),
+             "optimi": ("torch-optimi AdamW kahan", build_optimi_kahan),
+             "flashoptim": ("flashoptim FlashAdamW", build_flashoptim)}
+
+
+def peer_status(device, dtype) -> dict[str, str]:
+    """Per peer: "runs", "not installed here", or why it imports but cannot step here (tried on
+    one small tensor), so that no row is dropped without a word."""
     out = {}
-    for name in ("torchao", "bitsandbytes", "flashoptim", "optimi"):
+    for name, (_, build) in PEER_ROWS.items():
         try:
             __import__(name)
-            out[name] = True
-        except Exception:  # absent, or present but unusable with this torch / device
-            out[name] = False
+        except Exception:  # absent, or present but unusable with this torch
+            out[name] = "not installed here"
+            continue
+        try:
+            build([(64, 64)], device, dtype).step()
+            out[name] = "runs"
+        except Exception as e:  # noqa: BLE001 (any failure is the reason printed)
+            out[name] = f"cannot run here ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
     return out
 
 
@@ -245,7 +288,7 @@ def count_kernels(step: Callable, device) -> int:
         "cpp_fused" in e.name or (e.name.startswith("aten::") and e.name not in NO_KERNEL)))
 
 
-PEERS: dict[str, bool] = {}  # filled by main(): importable peer optimizers
+PEERS: dict[str, str] = {}  # filled by main(): peer_status()
 # The StateFormats (docs/optimizer_memory.md) timed beside fp32 masters in O2.
 LOW_MEMORY_FORMATS = {"low_memory": "low_memory", "compensated": "compensated",
                       "stochastic+int8": fo.StateFormat("stochastic", "int8")}
@@ -265,8 +308,9 @@ def methods(mode: str, device, low: torch.dtype, compile: bool = True):
             "fxamp+clip": lambda s: build_fxamp(s, device, low, clip=True, compile=compile),
             "fused+GS": lambda s: build_torch(s, device, fused=True),
             "eager O2": lambda s: build_torch_o2(s, device, low)}
-    if PEERS.get("torchao"):
-        rows["torchao AdamW8bit"] = lambda s: build_torchao_8bit(s, device, low)
+    for name, (row, build) in PEER_ROWS.items():
+        if PEERS.get(name) == "runs":
+            rows[row] = lambda s, build=build: build(s, device, low)
     if low == torch.bfloat16:  # the 16-bit master formats need a bf16 model
         for name, fmt in LOW_MEMORY_FORMATS.items():
             rows[f"fxamp {name}"] = lambda s, fmt=fmt: build_fxamp(s, device, low,
@@ -382,10 +426,9 @@ def main(argv=None) -> None:
     header = (f"# fxamp optimizer step, {name}, torch {torch.__version__}, "
               f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, load average "
               f"{' '.join(f'{x:.2f}' for x in os.getloadavg())} (numbers need an idle machine)")
-    PEERS.update(peers_installed())
+    PEERS.update(peer_status(device, low))
     print(header)
-    print("peers: " + ", ".join(f"{k} {'installed' if v else 'not installed here'}"
-                                for k, v in PEERS.items()))
+    print("peers: " + "; ".join(f"{k} {v}" for k, v in PEERS.items()))
     done = []
     with gpu_lock.hold(args.lock, exclusive=True):
         for n_params in (int(float(p)) for p in args.params.split(",")):
