@@ -59,15 +59,17 @@ class ShardedBucket(Bucket):
     """The DTensor parameters of one param group that share a dtype, their local shards flat.
 
     Attributes as Bucket's, except that `param` is a copy of the local shards (written back
-    by `write_back` after each step) and `offsets` index the local shards.
+    by `write_back` after each step) and `offsets` index the local shards; `sharded` says
+    whether a parameter is split over the ranks (a Replicate DTensor, as tensor-parallel code
+    leaves some, is whole on every rank: its gradient counts once in the clipping norm and
+    whole-parameter norms such as LAMB's are local).
     """
-
-    sharded = True
 
     def __init__(self, group_index: int, params: Sequence[torch.nn.Parameter], *,
                  master_weights: bool) -> None:
         self.group_index = group_index
         self.params = list(params)
+        self.sharded = any(p.placements[0].is_shard() for p in self.params)
         local = self._locals()
         self.offsets, numel = layout([padded_numel(p) for p in self.params])
         self.param = torch.zeros(numel, dtype=local[0].dtype, device=local[0].device)

@@ -254,3 +254,46 @@ def load_low_memory(rank, path):
         a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(before, after))
     return refusal, unchanged
 
+
+
+def replicated_low_memory(rank):
+    """low_memory AdamW with clipping over DTensor parameters replicated on the mesh (as
+    tensor-parallel code leaves the parameters it does not split), every rank stepping the same
+    gradients; rank 0 also runs the same steps on plain parameters. Returns the weights, the
+    8-bit state and what the state dict holds of the scales."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    def steps(replicated):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(24, 17).bfloat16()  # 408 + 17 elements: 7 + 1 blocks
+        if replicated:
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for name, p in list(model.named_parameters()):
+                setattr(model, name, torch.nn.Parameter(
+                    distribute_tensor(p.detach(), mesh, [Replicate()])))
+        group = {} if replicated else {"process_group": None}  # the single run: no group
+        opt = fo.AdamW(model.parameters(), lr=1e-2, state_format="low_memory",
+                       max_grad_norm=0.01, compile=False, **group)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for p in model.parameters():
+                g = (torch.randn(p.shape, generator=gen) * 0.1).bfloat16()
+                p.grad = DTensor.from_local(g, p.device_mesh, p.placements) if replicated else g
+            opt.step()
+            opt.zero_grad()
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        state = opt.state_dict()["state"]
+        return {"params": [local(p.detach()).clone() for p in model.parameters()],
+                "state": [local(v).clone() for e in state.values() for k, v in sorted(e.items())
+                          if k != "step"],
+                "scales": [(type(v).__name__, tuple(v.shape),
+                            [str(x) for x in getattr(v, "placements", ())])
+                           for e in state.values() for k, v in sorted(e.items())
+                           if k.endswith("_scale")],
+                "norm": opt.grad_norm.item()}
+
+    out = {"dist": steps(True)}
+    if rank == 0:
+        out["single"] = steps(False)
+    return out

@@ -177,3 +177,17 @@ def test_low_memory_checkpoint_from_other_world_size_is_refused_before_loading(l
                 f"over {load_world}") in refusal and "Load it with 2 rank(s)" in refusal
     same = run_ranks(functools.partial(w.load_low_memory, path=path))  # 2 ranks: loads
     assert all(refusal is None and not unchanged for refusal, unchanged in same)
+
+
+def test_low_memory_over_replicated_dtensors_steps_as_one_process():
+    # Note [Block scales of sharded parameters]: a replicated DTensor parameter's block scales
+    # are one Replicate DTensor of its own blocks (not ranks x them), and its gradient counts
+    # once in the clipping norm (every rank holds all of it).
+    ranks = run_ranks(w.replicated_low_memory)
+    single = ranks[0]["single"]
+    for out in (r["dist"] for r in ranks):
+        assert out["scales"] == [("DTensor", (7,), ["R"])] * 2 + \
+            [("DTensor", (1,), ["R"])] * 2
+        assert out["norm"] == pytest.approx(single["norm"], rel=1e-6)
+        for got, want in zip(out["params"] + out["state"], single["params"] + single["state"]):
+            assert got.dtype == want.dtype and torch.equal(got, want)
