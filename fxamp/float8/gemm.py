@@ -163,11 +163,22 @@ def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def float8_matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
                   history_a: Optional[torch.Tensor] = None,
-                  history_b: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """`a @ b (+ bias)` for a [..., K] and a 2-D b [K, N], in float8 (mm, matmul, addmm)."""
+                  history_b: Optional[torch.Tensor] = None, *, alpha: float = 1,
+                  beta: float = 1) -> torch.Tensor:
+    """`beta * bias + alpha * (a @ b)` for a [..., K] and a 2-D b [K, N], in float8 (mm,
+    matmul, addmm)."""
     out = Float8MM.apply(a.reshape(-1, a.shape[-1]), b, recipe, history_a, history_b)
-    out = out.reshape(*a.shape[:-1], out.shape[-1])
-    return out if bias is None else out + bias.to(out.dtype)
+    return _epilogue(out.reshape(*a.shape[:-1], out.shape[-1]), bias, alpha, beta)
+
+
+def _epilogue(out: torch.Tensor, bias: Optional[torch.Tensor], alpha: float,
+              beta: float) -> torch.Tensor:
+    # aten.addmm / baddbmm: alpha scales the product (in the output dtype, after the GEMM),
+    # beta the bias, and beta == 0 ignores the bias (its nan and inf included).
+    out = out if alpha == 1 else out * alpha
+    if bias is None or beta == 0:
+        return out
+    return out + (bias.to(out.dtype) if beta == 1 else beta * bias.to(out.dtype))
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -194,7 +205,4 @@ def float8_bmm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], r
         out = Float8MM.apply(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n), recipe,
                              history_a, history_b)
         out = out.reshape(*a.shape[:-1], n)
-    out = out if alpha == 1 else out * alpha
-    if bias is None:
-        return out
-    return out + (bias.to(out.dtype) if beta == 1 else beta * bias.to(out.dtype))
+    return _epilogue(out, bias, alpha, beta)

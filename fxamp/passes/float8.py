@@ -165,10 +165,10 @@ def _replacement(gm: fx.GraphModule, node: fx.Node) -> tuple[Callable, tuple, di
     op, ops = GEMM_OPS[node.target], gemm_operands(gm, node)
     if op == "linear":
         return float8_linear, (ops.left, ops.right, ops.bias), {}
+    scalars = {k: v for k, v in (("alpha", ops.alpha), ("beta", ops.beta)) if v != 1}
     if ops.batch or ops.flattened:
-        scalars = {k: v for k, v in (("alpha", ops.alpha), ("beta", ops.beta)) if v != 1}
         return float8_bmm, (ops.left, ops.right, ops.bias), scalars
-    return float8_matmul, (ops.left, ops.right, ops.bias), {}
+    return float8_matmul, (ops.left, ops.right, ops.bias), scalars
 
 
 def _erase_unused(node: Any) -> None:

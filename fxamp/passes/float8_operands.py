@@ -120,8 +120,7 @@ def _broadcast_source(right: fx.Node) -> Optional[fx.Node]:
 
 
 def _two_d(node: fx.Node, op: str) -> GemmOperands:
-    if op == "addmm" and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
-        return GemmOperands(refusal="addmm with beta or alpha != 1")
+    scalars = {k: node.kwargs.get(k, 1) for k in ("alpha", "beta")} if op == "addmm" else {}
     if op == "linear":
         x, w, *rest = node.args
         a, b = _val(x), _val(w)
@@ -135,7 +134,7 @@ def _two_d(node: fx.Node, op: str) -> GemmOperands:
     if a is None or b is None or a.dim() < 2 or b.dim() != 2:
         return GemmOperands(refusal=f"{op} of a {_dims(a)} and a {_dims(b)} operand (float8 "
                                     "needs [..., K] @ [K, N])")
-    return GemmOperands(a, b, left, right, bias)
+    return GemmOperands(a, b, left, right, bias, **scalars)
 
 
 def _batched(gm: fx.GraphModule, node: fx.Node, op: str) -> GemmOperands:
