@@ -297,3 +297,35 @@ def replicated_low_memory(rank):
     if rank == 0:
         out["single"] = steps(False)
     return out
+
+
+def float8_under_fsdp(rank):
+    """fxamp O2 + float8 tensorwise on an MLP sharded with FSDP2 after fxamp.compile (as
+    docs/distributed.md shards), vs the same model unsharded with and without float8, every
+    rank fed the same batch (docs/float8.md, "FSDP2")."""
+    from fxamp.float8 import Float8Config
+
+    def build_f8(f8):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                    torch.nn.Linear(32, 16))
+        return fxamp.compile(model, opt_level="O2", compiler="aot_eager",
+                             float8=Float8Config(recipe="tensorwise", min_dim=16) if f8 else None)
+
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(7))
+
+    def run(model):
+        out = model(x)
+        out.float().square().mean().backward()
+        return out.detach(), [full(p.grad) for p in model.parameters()]
+
+    sharded = wrap(build_f8(True), "fsdp")
+    runs = {"sharded": run(sharded), "float8": run(build_f8(True)), "bf16": run(build_f8(False))}
+
+    def same(a, b):
+        return torch.equal(runs[a][0], runs[b][0]) and all(
+            torch.equal(g, h) for g, h in zip(runs[a][1], runs[b][1]))
+
+    return {"as_bf16": same("sharded", "bf16"), "as_float8": same("sharded", "float8"),
+            "float8_differs": not same("float8", "bf16"),
+            "state_dtypes": sorted({str(v.dtype) for v in sharded.state_dict().values()})}

@@ -191,3 +191,15 @@ def test_low_memory_over_replicated_dtensors_steps_as_one_process():
         assert out["norm"] == pytest.approx(single["norm"], rel=1e-6)
         for got, want in zip(out["params"] + out["state"], single["params"] + single["state"]):
             assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_float8_does_not_reach_fsdp2_sharded_modules():
+    # What float8 does under FSDP2 today (docs/float8.md, "FSDP2"): FSDP2's hooks are
+    # dynamo-disabled, so the fully_shard-ed Linears run eagerly (under fxamp's autocast, Note
+    # [Eager regions run under autocast]) and their GEMMs stay bf16: the sharded model is bitwise
+    # the bf16 one, not the float8 one. When the float8 pass reaches them this test fails on
+    # purpose: update the docs, and compare with the float8 model instead.
+    for r in run_ranks(w.float8_under_fsdp):
+        assert r["float8_differs"], r  # the unsharded float8 model does run float8 GEMMs
+        assert r["as_bf16"] and not r["as_float8"], r
+        assert r["state_dtypes"] == ["torch.float32"], r  # O2 saves fp32, as Apex; no float8
