@@ -23,6 +23,7 @@ import torch
 from fxamp._compat import BackendCompilerFailed, Unsupported, UserError
 from fxamp.cast_model import CastRecord, storage_dtype
 from fxamp.config import AmpConfig
+from fxamp.eager_regions import warn_float8_sharded
 from fxamp.errors import ConfigError, FxampError
 
 __all__ = ["CompiledCall", "check_storage", "fxamp_error"]
@@ -40,8 +41,12 @@ class CompiledCall:
                  unprepare: Optional[Callable[[], None]], record: Optional[CastRecord]) -> None:
         self._model, self._compiled, self._config = model, compiled, config
         self._unprepare, self._record = unprepare, record
+        self._called = False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._called:  # sharding comes after fxamp.compile: looked at when first called
+            self._called = True
+            warn_float8_sharded(self._model, self._config)
         try:
             out = self._compiled(*args, **kwargs)
         except Exception as e:

@@ -204,3 +204,7 @@ def test_float8_does_not_reach_fsdp2_sharded_modules():
         assert r["float8_differs"], r  # the unsharded float8 model does run float8 GEMMs
         assert r["as_bf16"] and not r["as_float8"], r
         assert r["state_dtypes"] == ["torch.float32"], r  # O2 saves fp32, as Apex; no float8
+        # ... and the first call says so, naming the sharded modules
+        assert len(r["warnings"]) == 1, r
+        assert "<root> (FSDPSequential), 0 (FSDPLinear), 2 (FSDPLinear) sharded" in \
+            r["warnings"][0], r
