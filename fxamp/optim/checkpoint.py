@@ -87,8 +87,7 @@ def scale_shards(opt: "Checkpointable") -> Optional[int]:
     """The number of ranks over which this optimizer's 8-bit block scales are sharded, or None
     when it keeps none of a sharded parameter."""
     sizes = {b.params[0].device_mesh.size() for b, held in zip(opt.buckets, opt.bucket_states)
-             if getattr(b, "sharded", False) and any(len(bufs) == 2 for bufs in held.states)
-             and any(p.placements[0].is_shard() for p in b.params)}
+             if b.sharded and _has_codes(held)}
     return max(sizes) if sizes else None
 
 
@@ -156,7 +155,11 @@ def _holds_codes(state: Any) -> bool:
 
 def keeps_codes(opt: "Checkpointable") -> bool:
     """Whether the optimizer keeps any 8-bit state (whose scales describe one sharding)."""
-    return any(len(bufs) == 2 for held in opt.bucket_states for bufs in held.states)
+    return any(_has_codes(held) for held in opt.bucket_states)
+
+
+def _has_codes(held: Any) -> bool:
+    return any(len(bufs) == 2 for bufs in held.states)  # codes and scales (codecs.new_state)
 
 
 def _checked_entries(opt: "Checkpointable", state: Any, params: list) -> list[tuple]:

@@ -88,7 +88,7 @@ from typing import Optional
 import torch
 
 __all__ = ["BLOCK", "new_state", "decode_state", "encode_state", "new_correction",
-           "decode_master", "encode_master", "random_bits", "state_stream"]
+           "decode_master", "encode_master", "random_bits", "master_stream", "state_stream"]
 
 Tensor = torch.Tensor
 BLOCK = 64  # elements per scale of an 8-bit moment; equals flat.ALIGN (see the Note)
@@ -243,13 +243,18 @@ def _mix(x: Tensor) -> Tensor:
     return x ^ ((x >> 16) & 0xFFFF)
 
 
+def master_stream(bucket: int) -> int:
+    """The random stream of the stochastically rounded master of bucket `bucket`."""
+    return bucket << 3
+
+
 def state_stream(bucket: int, state: int) -> int:
-    """The random stream of state `state` of bucket `bucket` (its master uses `bucket << 3`).
+    """The random stream of state `state` of bucket `bucket` (after its master's).
 
     A stream's 16 bits are one half of a 32-bit hash word; Adam's m and v (states 0 and 1)
     take the two halves of one word, so the step hashes each element once for both
     (Note [A codec the CPU runs fast])."""
-    return (bucket << 3) + 2 + state
+    return master_stream(bucket) + 2 + state
 
 
 def random_bits(numel: int, seed: int, step: Tensor, stream: int) -> Tensor:

@@ -137,7 +137,7 @@ def update(weights: Sequence[tuple[Tensor, ...]], grads: Sequence[Tensor],
                                   c, *ax)
         bits = None
         if masters[i] == "stochastic":
-            bits = codecs.random_bits(w[0].numel(), seed, c[STEP], i << 3)
+            bits = codecs.random_bits(w[0].numel(), seed, c[STEP], codecs.master_stream(i))
         _write(w, codecs.encode_master(new_w, w, masters[i], bits), skip)
         for k, (s, new, u) in enumerate(zip(st, new_st, unsigned)):
             bits = None
@@ -212,10 +212,10 @@ def compiled() -> StepFns:
     """`prologue`, `update`, `fold_grads` and `gather_grads` compiled for one optimizer, with
     Dynamo caches of their own (Note [One compiled step per optimizer]); each compiles when it
     is first called."""
-    fns = {fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False) for fn in _STEP_FNS}
-    fns["update"] = compile_fresh(update, fullgraph=True, dynamic=False,
-                                  options=recompute_pointwise_options())
-    return StepFns(**fns)
+    options = {update: recompute_pointwise_options()}  # Note [A codec the CPU runs fast]
+    return StepFns(**{fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False,
+                                                 options=options.get(fn))
+                      for fn in _STEP_FNS})
 
 
 eager = StepFns(**{fn.__name__: fn for fn in _STEP_FNS})
