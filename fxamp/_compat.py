@@ -154,6 +154,18 @@ NORM_MODULE_TYPES = (torch.nn.modules.batchnorm._BatchNorm,
 COMPILED_CALL_ATTR = "_compiled_call_impl"
 
 
+def unsharded_class(cls: Any) -> Any:
+    """The class `fully_shard` derived `cls` from (it swaps a module's class for a new
+    `FSDP<Name>(FSDPModule, <Name>)`), or `cls` itself. Checked on 2.11.0, 2.13.0, 2.14.1."""
+    if not isinstance(cls, type) or not torch.distributed.is_available():
+        return cls
+    from torch.distributed.fsdp import FSDPModule
+
+    if cls is FSDPModule or not issubclass(cls, FSDPModule):
+        return cls
+    return next((base for base in cls.__bases__ if base is not FSDPModule), cls)
+
+
 def call_impl(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     """`module(*args, **kwargs)` with its hooks but without its compiled call (which would call
     back into the caller). Checked on 2.11.0, 2.13.0, 2.14.1."""

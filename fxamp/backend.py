@@ -21,6 +21,7 @@ from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import history_of
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
+from fxamp.provenance import place_in_model
 
 __all__ = ["FxampBackend", "backend", "CompiledGraph", "Compiler"]
 
@@ -75,18 +76,29 @@ class FxampBackend:
     """
 
     def __init__(self, config: AmpConfig, *, compiler: Compiler = "inductor",
-                 mode: Optional[str] = None, options: Optional[dict] = None):
+                 mode: Optional[str] = None, options: Optional[dict] = None,
+                 module: Optional[tuple[str, type]] = None):
         check_compiler(compiler, mode, options)
         self.config = config
         compiler_key = compiler if isinstance(compiler, str) else id(compiler)
         self._key = (config.graph.cache_key(), compiler_key, mode,
-                     tuple(sorted((options or {}).items())))
+                     tuple(sorted((options or {}).items())), module)
+        # (path, class) of the submodule whose forward this backend compiles on its own
+        # (Note [Sharded modules are compiled one by one]); None: the model or a function.
+        self.module = module
         self._inner = _inner_compiler(compiler, mode, options)
         self.compile_args = {"compiler": compiler, "mode": mode, "options": options}
         self.compiled_graphs: list[CompiledGraph] = []
         # The model fxamp.compile prepared (set by prepare.compile_module): each compile checks that
         # its weights were not cast since (Dynamo recompiles when a parameter's dtype changes).
         self.model: Optional[torch.nn.Module] = None
+
+    def for_module(self, path: str, module_type: type) -> "FxampBackend":
+        """A backend for the forward of the submodule at `path`, recording its graphs with
+        this one's and naming its modules as the model does."""
+        unit = FxampBackend(self.config, **self.compile_args, module=(path, module_type))
+        unit.compiled_graphs, unit.model = self.compiled_graphs, self.model
+        return unit
 
     def _float8_history(self, config: AmpConfig):
         if config.float8 is None or config.float8.scaling != "delayed":
@@ -113,6 +125,9 @@ class FxampBackend:
         _check_active_ddp()
         if self.model is not None:
             check_storage(self.model, config)
+        if self.model is not None:  # Note [Module paths in the model's terms]
+            place_in_model(gm, {id(m): name for name, m in self.model.named_modules()},
+                           self.module)
         fake_mode = _compat.detect_fake_mode(example_inputs) or _compat.FakeTensorMode()
         # Note [Eager regions run under autocast]: fxamp's graphs see only fxamp's policy.
         with torch.autocast(config.device_type, enabled=False):

@@ -23,7 +23,6 @@ import torch
 from fxamp._compat import BackendCompilerFailed, Unsupported, UserError
 from fxamp.cast_model import CastRecord, storage_dtype
 from fxamp.config import AmpConfig
-from fxamp.eager_regions import warn_float8_sharded
 from fxamp.errors import ConfigError, FxampError
 
 __all__ = ["CompiledCall", "check_storage", "fxamp_error"]
@@ -38,16 +37,16 @@ class CompiledCall:
     """`model._compiled_call_impl` as `fxamp.compile` sets it."""
 
     def __init__(self, model: torch.nn.Module, compiled: Callable[..., Any], config: AmpConfig,
-                 unprepare: Optional[Callable[[], None]], record: Optional[CastRecord]) -> None:
+                 unprepare: Optional[Callable[[], None]], record: Optional[CastRecord],
+                 first_call: Callable[[], Callable[[], None]]) -> None:
         self._model, self._compiled, self._config = model, compiled, config
         self._unprepare, self._record = unprepare, record
-        self._called = False
+        self._first_call: Optional[Callable[[], Callable[[], None]]] = first_call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._called:  # sharding comes after fxamp.compile: looked at when first called
-            self._called = True
-            warn_float8_sharded(self._model, self._config)
         try:
+            if self._first_call is not None:  # sharding comes after fxamp.compile: looked at
+                self._at_first_call()         # at the first call (sharded_modules.py)
             out = self._compiled(*args, **kwargs)
         except Exception as e:
             self._fail(e)
@@ -56,6 +55,12 @@ class CompiledCall:
             self._unprepare = None
             self._record.release()
         return out
+
+    def _at_first_call(self) -> None:
+        undo, self._first_call = self._first_call(), None
+        if self._unprepare is not None:
+            unprepare = self._unprepare
+            self._unprepare = lambda: (undo(), unprepare())
 
     def _fail(self, error: Exception) -> None:
         try:

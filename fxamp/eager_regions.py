@@ -127,21 +127,3 @@ def warn_untraced(model: torch.nn.Module, config: AmpConfig) -> list[str]:
             f"run eagerly), so they run under {eager_policy(config)}; fxamp.explain() lists "
             "them", EagerRegionWarning, stacklevel=3)
     return found
-
-
-def warn_float8_sharded(model: torch.nn.Module, config: AmpConfig) -> list[str]:
-    """Warn, at the first call, naming the FSDP2-sharded modules whose GEMMs float8 does not
-    reach: FSDP2's hooks are dynamo-disabled, so those modules run eagerly, under the eager
-    policy, in the model dtype (docs/float8.md, "FSDP2")."""
-    if config.float8 is None or not torch.distributed.is_available():
-        return []
-    from torch.distributed.fsdp import FSDPModule
-
-    found = [f"{name or '<root>'} ({type(m).__name__})" for name, m in model.named_modules()
-             if isinstance(m, FSDPModule)]
-    if found:
-        warnings.warn(
-            f"fxamp float8={config.float8.recipe!r}: {', '.join(found)} sharded with FSDP2 "
-            "(fully_shard) run eagerly, so their GEMMs stay in the model dtype, not float8 "
-            "(docs/float8.md, \"FSDP2\")", EagerRegionWarning, stacklevel=4)
-    return found

@@ -28,6 +28,7 @@ from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import attach_history, detach_history
 from fxamp.policy.rules import check_module_overrides
+from fxamp.sharded_modules import check_sharded, compile_sharded_modules
 
 __all__ = ["prepare", "Prepared", "CompileSettings", "requested_config", "check_model",
            "backend_of", "config_of", "compile_module"]
@@ -189,9 +190,16 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
         delattr(model, _BACKEND_ATTR)
         forget_copyable(model)
 
+    def first_call() -> Callable[[], None]:  # Note [Sharded modules are compiled one by one]
+        check_sharded(model, fxamp_backend.config)
+        return compile_sharded_modules(model, lambda fn, path, module_type: torch.compile(
+            fn, backend=fxamp_backend.for_module(path, module_type), dynamic=settings.dynamic,
+            fullgraph=settings.fullgraph))
+
     fxamp_backend.model = model
     _compat.set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
-                                                  None if record is None else unprepare, record))
+                                                  None if record is None else unprepare, record,
+                                                  first_call))
     setattr(model, _BACKEND_ATTR, fxamp_backend)
     # Note [Copies keep the compiled call]
     make_copyable(model, _rebuild_copy, (fxamp_backend.config, settings), _BACKEND_ATTR)

@@ -20,12 +20,15 @@ from typing import Any, Iterator, Optional
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
+from fxamp import _compat
+
 __all__ = ["module_path", "module_of", "module_chain", "source_line", "innermost_frame",
-           "boundary_casts", "is_boundary_cast"]
+           "boundary_casts", "is_boundary_cast", "place_in_model"]
 
 _TAG_KEY, _BOUNDARY = "fxamp", "boundary"
 _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _ITEM = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
+_STACK_SLOT = re.compile(r"^L\['___stack\d+'\]")
 _FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
 
 
@@ -38,7 +41,50 @@ def module_path(dynamo_path: str) -> str:
 
 
 def _type_name(module_type: Any) -> str:
+    module_type = _compat.unsharded_class(module_type)  # "Linear", not FSDP2's "FSDPLinear"
     return getattr(module_type, "__name__", str(module_type).rsplit(".", 1)[-1])
+
+
+def place_in_model(gm: fx.GraphModule, names: dict[int, str],
+                   module: Optional[tuple[str, type]] = None) -> None:
+    """Name the modules of `gm`'s `nn_module_stack`s (higher-order op bodies included) by their
+    paths in the model: `names` maps id(module) to its `named_modules` path.
+
+    Note [Module paths in the model's terms]: Dynamo names a module by the source it was
+    reached from, which is not always its path in the model:
+    - in a resume function (the code after a graph break) a module loaded before the break
+      arrives as a stack slot, "L['___stack1']"; Dynamo keys each entry by `str(id(module))`
+      (with "@n" for repeated calls; checked on 2.11.0, 2.13.0, 2.14.1), so such an entry is
+      named by identity;
+    - a graph traced from one submodule's forward (`module`: its path and class; Note [Sharded
+      modules are compiled one by one] in sharded_modules.py) names modules from that
+      submodule ("L['module'].attn.c_attn") and its own ops have no entry: every stack gets the
+      submodule as its outermost entry and its entries' paths below it.
+    Module overrides, float8's `skip_modules`, delayed scaling's histories, explain() and the
+    debug tools then read the same names as in the model's own graph."""
+    prefix = module[0] if module else ""
+    own = {f"fxamp_module_{prefix}": module} if module else {}
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            stack = node.meta.get("nn_module_stack")
+            if node.op in ("placeholder", "output") or not (stack or own):
+                continue
+            node.meta["nn_module_stack"] = {**own, **{
+                key: (_model_path(key, where, prefix, names), module_type)
+                for key, (where, module_type) in (stack or {}).items()}}
+
+
+def _model_path(key: str, where: str, prefix: str, names: dict[int, str]) -> str:
+    if _STACK_SLOT.match(where):  # a resume function's stack slot
+        try:
+            found = names.get(int(str(key).split("@")[0]))
+        except ValueError:
+            found = None
+        if found is not None:
+            return found
+    return ".".join(p for p in (prefix, module_path(where)) if p)
 
 
 def module_chain(stack: Optional[dict]) -> Iterator[tuple[str, str]]:

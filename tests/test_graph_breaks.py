@@ -153,3 +153,28 @@ def test_graphs_do_not_apply_autocast_twice():
 @pytest.mark.parametrize("level", ["O0", "O2", "O3"])
 def test_other_levels_with_breaks(level):
     parity.check(_make(_item), [_batches()[0]], level)
+
+
+class _BreakBetween(nn.Module):
+    """`self.down` is loaded before the call that breaks: after the break it reaches the resume
+    function as a stack slot, not as `self.down`."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.down(_explicit(self, self.up(x)))
+
+
+def test_module_override_after_a_break_names_the_module():
+    # Note [Module paths in the model's terms] (fxamp/provenance.py): Dynamo names `down` in
+    # the resume function "L['___stack0']"; its override to fp32 was silently lost (bf16 out).
+    model = fxamp.compile(_BreakBetween(), opt_level="O1", dtype=torch.bfloat16,
+                          compiler="aot_eager", module_overrides={"down": "fp32"})
+    assert model(torch.randn(4, 8)).dtype == torch.float32
+    paths = {node.meta["nn_module_stack"][key][0]
+             for g in fxamp.prepare.backend_of(model).compiled_graphs
+             for node in g.graph_module.graph.nodes
+             for key in node.meta.get("nn_module_stack") or {}}
+    assert paths == {"up", "down"}

@@ -301,38 +301,122 @@ def replicated_low_memory(rank):
     return out
 
 
+class Block(torch.nn.Module):
+    """A residual MLP block: a module of the user's code (Dynamo compiles its frame)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 2 * width), torch.nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Blocks(torch.nn.Module):
+    """Blocks called in a loop, then a head (whose input is wider than the blocks'): the shape
+    of a transformer under FSDP2."""
+
+    def __init__(self, width=32, depth=3, out=16):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(2 * width, out)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(torch.cat([x, x.square()], -1))
+
+
 def float8_under_fsdp(rank):
-    """fxamp O2 + float8 tensorwise on an MLP sharded with FSDP2 after fxamp.compile (as
-    docs/distributed.md shards), vs the same model unsharded with and without float8, every
-    rank fed the same batch (docs/float8.md, "FSDP2")."""
+    """fxamp O2 + float8 tensorwise on `Blocks` sharded with FSDP2 after fxamp.compile: every
+    block, one block's own nn.Linear inside it, and the root (the head stays in the root's
+    unit), vs the same model unsharded with and without float8, every rank fed the same batch
+    (Note [Sharded modules are compiled one by one])."""
+    from torch.distributed.fsdp import fully_shard
+
     from fxamp.float8 import Float8Config
 
-    def build_f8(f8):
+    def build(f8):
+        # skip_modules by path: the sharded graphs must name modules as the model does
+        recipe = Float8Config(recipe="tensorwise", min_dim=16, skip_modules=("blocks.2.down",))
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                                    torch.nn.Linear(32, 16))
-        return fxamp.compile(model, opt_level="O2", compiler="aot_eager",
-                             float8=Float8Config(recipe="tensorwise", min_dim=16) if f8 else None)
+        return fxamp.compile(Blocks(), opt_level="O2", compiler="aot_eager",
+                             float8=recipe if f8 else None)
 
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(7))
 
     def run(model):
+        model.zero_grad(set_to_none=True)
         out = model(x)
         out.float().square().mean().backward()
         return out.detach(), [full(p.grad) for p in model.parameters()]
 
-    sharded = wrap(build_f8(True), "fsdp")
+    sharded = build(True)
+    fully_shard(sharded.blocks[1].up)  # a torch.nn module: Dynamo skips its frame
+    for block in sharded.blocks:
+        fully_shard(block)
+    fully_shard(sharded)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        runs = {"sharded": run(sharded)}
-    runs.update({ "float8": run(build_f8(True)), "bf16": run(build_f8(False))})
+        runs = {"sharded": run(sharded), "sharded_again": run(sharded)}
+    runs.update({"float8": run(build(True)), "bf16": run(build(False))})
+    choices = {n.meta["fxamp_float8"].module: n.meta["fxamp_float8"].float8
+               for g in fxamp.prepare.backend_of(sharded).compiled_graphs
+               for n in g.graph_module.graph.nodes if "fxamp_float8" in n.meta}
 
     def same(a, b):
         return torch.equal(runs[a][0], runs[b][0]) and all(
             torch.equal(g, h) for g, h in zip(runs[a][1], runs[b][1]))
 
-    return {"as_bf16": same("sharded", "bf16"), "as_float8": same("sharded", "float8"),
-            "float8_differs": not same("float8", "bf16"),
+    delayed = fxamp.compile(Blocks(), opt_level="O2", compiler="aot_eager",
+                            float8=Float8Config(scaling="delayed", min_dim=16))
+    fully_shard(delayed)
+    try:
+        delayed(x)
+        refusal = None
+    except fxamp.ConfigError as e:
+        refusal = str(e)
+    return {"as_float8": same("sharded", "float8") and same("sharded_again", "float8"),
+            "delayed_refusal": refusal,
+            "as_bf16": same("sharded", "bf16"),
+            "float8_differs": not same("float8", "bf16"), "choices": choices,
             "state_dtypes": sorted({str(v.dtype) for v in sharded.state_dict().values()}),
-            "warnings": [str(c.message) for c in caught
-                         if issubclass(c.category, fxamp.EagerRegionWarning)]}
+            "warnings": [str(c.message) for c in caught]}
+
+
+def gpt2_under_fsdp(rank, level, float8):
+    """A transformers GPT-2 (2 layers, random weights, no dropout) at `level` (+ float8
+    tensorwise), each block and the root sharded with FSDP2, vs the same model unsharded: with
+    float8, the GEMMs of the blocks (transformers' Conv1D: addmm) and the tied lm_head."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fxamp.float8 import Float8Config
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    def build():
+        torch.manual_seed(0)
+        return fxamp.compile(GPT2LMHeadModel(config), opt_level=level, compiler="aot_eager",
+                             float8=Float8Config(recipe="tensorwise", min_dim=16)
+                             if float8 else None)
+
+    ids = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+
+    def run(model):
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return [out.loss.detach(), out.logits.detach()] + [full(p.grad)
+                                                           for p in model.parameters()]
+
+    sharded = build()
+    for block in sharded.transformer.h:
+        fully_shard(block)
+    fully_shard(sharded)
+    got, want = run(sharded), run(build())
+    choices = [n.meta["fxamp_float8"] for g in fxamp.prepare.backend_of(sharded).compiled_graphs
+               for n in g.graph_module.graph.nodes if "fxamp_float8" in n.meta]
+    return {"same": all(torch.equal(a, b) for a, b in zip(got, want)),
+            "float8": sum(c.float8 for c in choices),
+            "stays": [c.reason for c in choices if not c.float8]}

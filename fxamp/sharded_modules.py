@@ -1,0 +1,130 @@
+"""FSDP2-sharded modules get fxamp's graphs too: their forwards are compiled on their own.
+
+Note [Sharded modules are compiled one by one]: FSDP2 runs its pre- and post-forward hooks
+under `torch._dynamo.disable`, so every call of a `fully_shard`-ed module is a graph break in
+the graph fxamp compiles for the whole model. What Dynamo does next depends on the module:
+- the forward of a module defined in the user's code (a transformer block) is a new frame,
+  which Dynamo compiles with fxamp's backend;
+- the forward of a torch.nn module (a sharded `nn.Linear`) is a frame Dynamo skips: it ran
+  eagerly, under autocast at O1 and in the model dtype at O2, never in float8;
+- a forward that calls sharded modules in a loop (`for block in self.blocks`) has a graph
+  break in a loop, so Dynamo skips that whole frame: the modules it calls directly (the
+  lm_head after the loop) ran eagerly as well.
+So at the model's first call, when the sharding is known (`fully_shard` comes after
+`fxamp.compile`), fxamp compiles the forward of every `fully_shard`-ed module (the root and
+nested ones too), and of every module outside them that holds parameters of its own (the head,
+the embedding, the final norm), with the model's backend: FSDP2's hooks keep running eagerly in `nn.Module.__call__`,
+and the forward they wrap is one of fxamp's graphs. Where the surrounding frame is traced,
+Dynamo inlines such a forward into the surrounding graph, so nothing changes there.
+
+What stays eager: GEMMs the skipped frame calls functionally (`x @ self.wte.weight.T` written
+in the root's own forward, not in a module that owns a parameter).
+
+Each module gets a code object of its own (Note [One code object per compiled model] in
+cast_model.py) and a backend that knows its path (`FxampBackend.for_module`), so that its graph
+names modules as the model's graph would (`provenance.place_in_model`): module overrides,
+float8's `skip_modules`, delayed scaling's per-GEMM histories and explain() mean the same with
+and without FSDP2. Identical transformer blocks therefore compile once each, not once in all:
+sharing one code object would share one graph, and its module paths and amax histories, between
+blocks (and would make Dynamo recompile a module of other shapes with dynamic ones, which float8
+refuses).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable, Optional
+
+import torch
+
+from fxamp import _compat
+from fxamp.config import AmpConfig
+from fxamp.errors import ConfigError
+
+__all__ = ["compile_sharded_modules", "modules_to_compile", "check_sharded"]
+
+
+def _fsdp_module_class() -> Optional[type]:
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+    return FSDPModule
+
+
+def modules_to_compile(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of what Note [Sharded modules are compiled one by one] compiles: empty
+    unless `model` or some submodule is sharded with FSDP2 (the root's name is "")."""
+    fsdp = _fsdp_module_class()
+    if fsdp is None:
+        return []
+    named = list(model.named_modules())
+    sharded = [name for name, m in named if isinstance(m, fsdp)]
+    if not sharded:
+        return []
+
+    def inside_sharded(name: str) -> bool:
+        return any(name.startswith(s + ".") for s in sharded if s)
+
+    return [(name, m) for name, m in named
+            if isinstance(m, fsdp) or name and not inside_sharded(name)
+            and any(True for _ in m.parameters(recurse=False))]
+
+
+def check_sharded(model: torch.nn.Module, config: AmpConfig) -> None:
+    """Refuse what fxamp cannot keep right under FSDP2 (asked at the first call, before anything
+    is compiled): float8 delayed scaling, whose amax histories are buffers of the model that
+    each rank would fill from its own inputs while a checkpoint keeps one rank's."""
+    f8 = config.float8
+    if f8 is None or f8.scaling != "delayed" or not modules_to_compile(model):
+        return
+    raise ConfigError(
+        "float8 scaling='delayed' under FSDP2: each rank would update the amax histories "
+        "(buffers of the model, not sharded) from its own inputs, and a checkpoint keeps only "
+        "one rank's, so a resumed run would not be the same run; use Float8Config("
+        "scaling='dynamic') with fully_shard, or delayed scaling without it")
+
+
+class _CompiledForward(functools.partial):
+    """The `forward` a compiled module gets: its compiled function with the module as first
+    argument. A partial, not a Python `__call__`: that would be one frame of fxamp's own for
+    every module, which Dynamo would compile as one code object. Copies and pickles get the
+    class's own forward back (the copy's first call compiles again)."""
+
+    def __reduce__(self) -> tuple:
+        return _class_forward, self.args[:1]
+
+
+def _class_forward(module: torch.nn.Module) -> Callable[..., Any]:
+    return types.MethodType(type(module).forward, module)
+
+
+def _forward_code(model: torch.nn.Module, path: str) -> Callable[..., Any]:
+    def forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return type(module).forward(module, *args, **kwargs)
+
+    name = f"forward_{type(model).__name__}_{id(model):x}_{path.replace('.', '_')}"
+    return types.FunctionType(forward.__code__.replace(co_name=name), forward.__globals__, name)
+
+
+def compile_sharded_modules(model: torch.nn.Module,
+                            compile_fn: Callable[[Callable[..., Any], str, type],
+                                                 Callable[..., Any]]) -> Callable[[], None]:
+    """Give each module of `modules_to_compile(model)` a forward compiled by
+    `compile_fn(function, path, class)` (torch.compile with the model's backend for that
+    module); returns the function that undoes it."""
+    previous = []
+    for path, module in modules_to_compile(model):
+        compiled = compile_fn(_forward_code(model, path), path,
+                              _compat.unsharded_class(type(module)))
+        previous.append((module, module.__dict__.get("forward")))
+        module.__dict__["forward"] = _CompiledForward(compiled, module)
+
+    def undo() -> None:
+        for module, before in previous:
+            if before is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = before
+
+    return undo
