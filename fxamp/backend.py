@@ -22,6 +22,7 @@ from fxamp.float8.delayed import history_of
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.provenance import place_in_model
+from fxamp.sharded_modules import check_not_sharded_since
 
 __all__ = ["FxampBackend", "backend", "CompiledGraph", "Compiler"]
 
@@ -92,6 +93,8 @@ class FxampBackend:
         # The model fxamp.compile prepared (set by prepare.compile_module): each compile checks that
         # its weights were not cast since (Dynamo recompiles when a parameter's dtype changes).
         self.model: Optional[torch.nn.Module] = None
+        # Whether the model's first call found FSDP2-sharded modules (None: not called yet).
+        self.sharded_at_first_call: Optional[bool] = None
 
     def for_module(self, path: str, module_type: type) -> "FxampBackend":
         """A backend for the forward of the submodule at `path`, recording its graphs with
@@ -125,6 +128,8 @@ class FxampBackend:
         _check_active_ddp()
         if self.model is not None:
             check_storage(self.model, config)
+            if self.module is None and self.sharded_at_first_call is False:
+                check_not_sharded_since(self.model)
         if self.model is not None:  # Note [Module paths in the model's terms]
             place_in_model(gm, {id(m): name for name, m in self.model.named_modules()},
                            self.module)

@@ -28,7 +28,7 @@ from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import attach_history, detach_history
 from fxamp.policy.rules import check_module_overrides
-from fxamp.sharded_modules import check_sharded, compile_sharded_modules
+from fxamp.sharded_modules import check_sharded, compile_sharded_modules, modules_to_compile
 
 __all__ = ["prepare", "Prepared", "CompileSettings", "requested_config", "check_model",
            "backend_of", "config_of", "compile_module"]
@@ -192,6 +192,7 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
 
     def first_call() -> Callable[[], None]:  # Note [Sharded modules are compiled one by one]
         check_sharded(model, fxamp_backend.config)
+        fxamp_backend.sharded_at_first_call = bool(modules_to_compile(model))
         return compile_sharded_modules(model, lambda fn, path, module_type: torch.compile(
             fn, backend=fxamp_backend.for_module(path, module_type), dynamic=settings.dynamic,
             fullgraph=settings.fullgraph))

@@ -42,7 +42,8 @@ from fxamp import _compat
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 
-__all__ = ["compile_sharded_modules", "modules_to_compile", "check_sharded"]
+__all__ = ["compile_sharded_modules", "modules_to_compile", "check_sharded",
+           "check_not_sharded_since"]
 
 
 def _fsdp_module_class() -> Optional[type]:
@@ -83,6 +84,19 @@ def check_sharded(model: torch.nn.Module, config: AmpConfig) -> None:
         "(buffers of the model, not sharded) from its own inputs, and a checkpoint keeps only "
         "one rank's, so a resumed run would not be the same run; use Float8Config("
         "scaling='dynamic') with fully_shard, or delayed scaling without it")
+
+
+def check_not_sharded_since(model: torch.nn.Module) -> None:
+    """Refuse a model sharded after its first call (which compiled no sharded modules): Dynamo
+    recompiles it then (FSDP2 added hooks), and the sharded modules would run eagerly."""
+    late = [path or "<root>" for path, m in modules_to_compile(model)
+            if isinstance(m, _fsdp_module_class())]
+    if late:
+        raise ConfigError(
+            f"{', '.join(late)} of {type(model).__name__} sharded with fully_shard after the "
+            "model's first call: fxamp compiles the forwards of sharded modules at the first "
+            "call, so these would run eagerly, outside fxamp's graphs; call fully_shard "
+            "before calling the model (docs/distributed.md, \"FSDP2\")")
 
 
 class _CompiledForward(functools.partial):
