@@ -28,7 +28,8 @@ from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import attach_history, detach_history
 from fxamp.policy.rules import check_module_overrides
-from fxamp.sharded_modules import check_sharded, compile_sharded_modules, modules_to_compile
+from fxamp.sharded_modules import (check_copyable, check_sharded, compile_sharded_modules,
+                                   modules_to_compile)
 
 __all__ = ["prepare", "Prepared", "CompileSettings", "requested_config", "check_model",
            "backend_of", "config_of", "compile_module"]
@@ -140,6 +141,8 @@ def prepare(model_or_fn: Callable[..., Any], config: Optional[AmpConfig], *,
         compiled = torch.compile(model_or_fn, backend=backend, dynamic=settings.dynamic,
                                  fullgraph=settings.fullgraph)
         return Prepared(compiled, backend)
+    if not in_place:
+        check_copyable(model_or_fn)
     existing = None if in_place else config_of(model_or_fn)
     if existing is None:
         resolved = check_model(model_or_fn, backend.config)

@@ -43,7 +43,7 @@ from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 
 __all__ = ["compile_sharded_modules", "modules_to_compile", "check_sharded",
-           "check_not_sharded_since"]
+           "check_not_sharded_since", "sharded_paths", "check_copyable"]
 
 
 def _fsdp_module_class() -> Optional[type]:
@@ -51,6 +51,26 @@ def _fsdp_module_class() -> Optional[type]:
         return None
     from torch.distributed.fsdp import FSDPModule
     return FSDPModule
+
+
+def sharded_paths(model: torch.nn.Module) -> list[str]:
+    """The paths of `model`'s FSDP2-sharded modules ("<root>" for the model itself)."""
+    fsdp = _fsdp_module_class()
+    return [] if fsdp is None else [name or "<root>" for name, m in model.named_modules()
+                                    if isinstance(m, fsdp)]
+
+
+def check_copyable(model: torch.nn.Module) -> None:
+    """Refuse a private copy of a sharded model (explain and the debug tools run one): FSDP2
+    refuses deepcopy with an AssertionError that names neither the tool nor the fix."""
+    sharded = sharded_paths(model)
+    if sharded:
+        raise ConfigError(
+            f"{', '.join(sharded)} of {_class_name(model)} sharded with fully_shard: "
+            "fxamp.explain, locate_overflow and range_stats run a private copy of the model, "
+            "and FSDP2 modules cannot be copied; call them on the model before fully_shard "
+            "(its graphs name the same modules), or read "
+            "fxamp.prepare.backend_of(model).compiled_graphs")
 
 
 def modules_to_compile(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -89,11 +109,10 @@ def check_sharded(model: torch.nn.Module, config: AmpConfig) -> None:
 def check_not_sharded_since(model: torch.nn.Module) -> None:
     """Refuse a model sharded after its first call (which compiled no sharded modules): Dynamo
     recompiles it then (FSDP2 added hooks), and the sharded modules would run eagerly."""
-    late = [path or "<root>" for path, m in modules_to_compile(model)
-            if isinstance(m, _fsdp_module_class())]
+    late = sharded_paths(model)
     if late:
         raise ConfigError(
-            f"{', '.join(late)} of {type(model).__name__} sharded with fully_shard after the "
+            f"{', '.join(late)} of {_class_name(model)} sharded with fully_shard after the "
             "model's first call: fxamp compiles the forwards of sharded modules at the first "
             "call, so these would run eagerly, outside fxamp's graphs; call fully_shard "
             "before calling the model (docs/distributed.md, \"FSDP2\")")
@@ -107,6 +126,10 @@ class _CompiledForward(functools.partial):
 
     def __reduce__(self) -> tuple:
         return _class_forward, self.args[:1]
+
+
+def _class_name(model: torch.nn.Module) -> str:
+    return _compat.unsharded_class(type(model)).__name__
 
 
 def _class_forward(module: torch.nn.Module) -> Callable[..., Any]:

@@ -376,6 +376,11 @@ def float8_under_fsdp(rank):
         refusal = None
     except fxamp.ConfigError as e:
         refusal = str(e)
+    try:
+        fxamp.explain(sharded, x)
+        explain_refusal = None
+    except fxamp.ConfigError as e:
+        explain_refusal = str(e)
     late = fxamp.compile(Blocks(), opt_level="O2", compiler="aot_eager")
     late(x)
     fully_shard(late.blocks[0])
@@ -386,6 +391,7 @@ def float8_under_fsdp(rank):
         late_refusal = str(e)
     return {"as_float8": same("sharded", "float8") and same("sharded_again", "float8"),
             "delayed_refusal": refusal, "late_refusal": late_refusal,
+            "explain_refusal": explain_refusal,
             "as_bf16": same("sharded", "bf16"),
             "float8_differs": not same("float8", "bf16"), "choices": choices,
             "state_dtypes": sorted({str(v.dtype) for v in sharded.state_dict().values()}),

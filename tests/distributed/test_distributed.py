@@ -214,6 +214,10 @@ def test_float8_reaches_fsdp2_sharded_modules():
         # sharded after its first call: its sharded modules would run eagerly, refused
         assert r["late_refusal"].startswith(
             "blocks.0 of Blocks sharded with fully_shard after the model's first call"), r
+        # explain() runs a private copy, which FSDP2 refuses (AssertionError): said plainly
+        assert r["explain_refusal"].startswith(
+            "<root>, blocks.0, blocks.1, blocks.1.up, blocks.2 of Blocks sharded with "
+            "fully_shard: fxamp.explain, locate_overflow and range_stats run a private copy"), r
 
 
 @pytest.mark.parametrize("level, float8", [("O1", False), ("O2", True)])
