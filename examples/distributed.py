@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 -m examples.distributed                    # DDP, O2
     torchrun --nproc-per-node 2 -m examples.distributed --strategy fsdp --opt-level O1
+    torchrun --nproc-per-node 2 -m examples.distributed --strategy fsdp --float8  # O2 + float8
 
 CPU (gloo over localhost, bf16) when no GPU is visible, else one GPU per rank with nccl (fp16);
 the GPU path was not run when this was written. Each rank trains a small MLP on its half of
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fxamp
 import fxamp.distributed as fd
 from examples.models import MLP
+from fxamp.float8 import Float8Config
 from fxamp.optim import AdamW, LossScaler
 
 IN, OUT, BATCH = 16, 4, 64
@@ -42,11 +44,14 @@ def setup() -> torch.device:
     return torch.device("cpu")
 
 
-def build(strategy: str, opt_level: str, device: torch.device, seed: int = 0):
+def build(strategy: str, opt_level: str, device: torch.device, seed: int = 0,
+          float8: bool = False):
     """fxamp.compile first, then DDP or fully_shard, then the fxamp optimizer (the one order
-    that works; docs/distributed.md)."""
+    that works; docs/distributed.md). With `float8`, the GEMMs big enough for it run in float8
+    tensorwise, sharded modules included (docs/float8.md, "FSDP2")."""
     torch.manual_seed(seed)
-    model = fxamp.compile(MLP(IN, 32, OUT).to(device), opt_level=opt_level)
+    model = fxamp.compile(MLP(IN, 32, OUT).to(device), opt_level=opt_level,
+                          float8=Float8Config(recipe="tensorwise", min_dim=16) if float8 else None)
     if strategy == "ddp":
         wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     else:
@@ -98,22 +103,28 @@ def main() -> None:
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--opt-level", choices=("O1", "O2"), default="O2")
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--float8", action="store_true",
+                        help="GEMMs in float8 tensorwise (on top of --opt-level)")
     args = parser.parse_args()
     device = setup()
     rank, half = dist.get_rank(), args.steps // 2
     try:
         if rank == 0:
             print(f"{args.strategy} over {dist.get_world_size()} ranks ({dist.get_backend()}), "
-                  f"{args.opt_level}", flush=True)
-        model, wrapped, opt, scaler = build(args.strategy, args.opt_level, device)
+                  f"{args.opt_level}{' + float8' if args.float8 else ''}", flush=True)
+        model, wrapped, opt, scaler = build(args.strategy, args.opt_level, device,
+                                            float8=args.float8)
         skipped = train(model, wrapped, opt, scaler, range(half), device, rank == 0)
+        if args.float8 and rank == 0:
+            print(f"  {float8_gemms(model)}", flush=True)
         ckpt = [tempfile.mkdtemp(prefix="fxamp_dcp_") if rank == 0 else None]
         dist.broadcast_object_list(ckpt)
         fd.save(ckpt[0], model=wrapped, optimizer=opt, scaler=scaler)
         skipped += train(model, wrapped, opt, scaler, range(half, args.steps), device, rank == 0)
         report(model, opt, scaler, skipped)
 
-        model2, wrapped2, opt2, scaler2 = build(args.strategy, args.opt_level, device, seed=1)
+        model2, wrapped2, opt2, scaler2 = build(args.strategy, args.opt_level, device, seed=1,
+                                                float8=args.float8)
         fd.load(ckpt[0], model=wrapped2, optimizer=opt2, scaler=scaler2)
         train(model2, wrapped2, opt2, scaler2, range(half, args.steps), device, False)
         same = torch.equal(weights(model), weights(model2))
@@ -125,6 +136,15 @@ def main() -> None:
             shutil.rmtree(ckpt[0])
     finally:
         dist.destroy_process_group()
+
+
+def float8_gemms(model) -> str:
+    """Which forward GEMMs of the graphs fxamp compiled for `model` run in float8, and why not."""
+    choices = [node.meta["fxamp_float8"] for graph in fxamp.prepare.backend_of(model).compiled_graphs
+               for node in graph.graph_module.graph.nodes if "fxamp_float8" in node.meta]
+    return "float8 GEMMs: " + ", ".join(
+        f"{c.module} {'float8' if c.float8 else 'stays (' + c.reason.split(';')[0] + ')'}"
+        for c in choices)
 
 
 def report(model, opt, scaler, skipped) -> None:
