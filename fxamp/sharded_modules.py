@@ -17,6 +17,9 @@ the embedding, the final norm), with the model's backend: FSDP2's hooks keep run
 and the forward they wrap is one of fxamp's graphs. Where the surrounding frame is traced,
 Dynamo inlines such a forward into the surrounding graph, so nothing changes there.
 
+A forward already set on the instance (hook libraries wrap a module's forward that way) is
+the one compiled, so the wrapper keeps running.
+
 What stays eager: GEMMs the skipped frame calls functionally (`x @ self.wte.weight.T` written
 in the root's own forward, not in a module that owns a parameter).
 
@@ -136,12 +139,18 @@ def _class_forward(module: torch.nn.Module) -> Callable[..., Any]:
     return types.MethodType(type(module).forward, module)
 
 
-def _forward_code(model: torch.nn.Module, path: str) -> Callable[..., Any]:
+def _forward_code(model: torch.nn.Module, path: str,
+                  own: Optional[Callable[..., Any]]) -> Callable[..., Any]:
+    """The function compiled for the module at `path`: its class's forward, or `own`, the
+    forward set on the instance before (a hook library's wrapper), kept."""
     def forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        return type(module).forward(module, *args, **kwargs)
+        if own is None:
+            return type(module).forward(module, *args, **kwargs)
+        return own(*args, **kwargs)
 
     name = f"forward_{type(model).__name__}_{id(model):x}_{path.replace('.', '_')}"
-    return types.FunctionType(forward.__code__.replace(co_name=name), forward.__globals__, name)
+    return types.FunctionType(forward.__code__.replace(co_name=name), forward.__globals__, name,
+                              None, forward.__closure__)
 
 
 def compile_sharded_modules(model: torch.nn.Module,
@@ -152,7 +161,10 @@ def compile_sharded_modules(model: torch.nn.Module,
     module); returns the function that undoes it."""
     previous = []
     for path, module in modules_to_compile(model):
-        compiled = compile_fn(_forward_code(model, path), path,
+        own = module.__dict__.get("forward")
+        if isinstance(own, _CompiledForward):
+            own = None
+        compiled = compile_fn(_forward_code(model, path, own), path,
                               _compat.unsharded_class(type(module)))
         previous.append((module, module.__dict__.get("forward")))
         module.__dict__["forward"] = _CompiledForward(compiled, module)

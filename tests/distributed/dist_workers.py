@@ -7,6 +7,7 @@ functions, eagerly) so that a test costs seconds; `compile_step=True` runs the s
 Inductor with the collectives traced into it.
 """
 
+import functools
 import warnings
 
 import torch
@@ -327,6 +328,10 @@ class Blocks(torch.nn.Module):
         return self.head(torch.cat([x, x.square()], -1))
 
 
+def _doubled(forward, x):
+    return 2 * forward(x)
+
+
 def float8_under_fsdp(rank):
     """fxamp O2 + float8 tensorwise on `Blocks` sharded with FSDP2 after fxamp.compile: every
     block, one block's own nn.Linear inside it, and the root (the head stays in the root's
@@ -340,7 +345,10 @@ def float8_under_fsdp(rank):
         # skip_modules by path: the sharded graphs must name modules as the model does
         recipe = Float8Config(recipe="tensorwise", min_dim=16, skip_modules=("blocks.2.down",))
         torch.manual_seed(0)
-        return fxamp.compile(Blocks(), opt_level="O2", compiler="aot_eager",
+        model = Blocks()
+        # a forward set on the instance (as hook libraries do) must survive the sharding
+        model.head.forward = functools.partial(_doubled, model.head.forward)
+        return fxamp.compile(model, opt_level="O2", compiler="aot_eager",
                              float8=recipe if f8 else None)
 
     x = torch.randn(16, 32, generator=torch.Generator().manual_seed(7))
