@@ -130,7 +130,7 @@ class FxampBackend:
             check_storage(self.model, config)
             if self.module is None and self.sharded_at_first_call is False:
                 check_not_sharded_since(self.model)
-        if self.model is not None:  # Note [Module paths in the model's terms]
+            # Note [Module paths in the model's terms]
             place_in_model(gm, {id(m): name for name, m in self.model.named_modules()},
                            self.module)
         fake_mode = _compat.detect_fake_mode(example_inputs) or _compat.FakeTensorMode()

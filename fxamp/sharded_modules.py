@@ -13,9 +13,10 @@ the graph fxamp compiles for the whole model. What Dynamo does next depends on t
 So at the model's first call, when the sharding is known (`fully_shard` comes after
 `fxamp.compile`), fxamp compiles the forward of every `fully_shard`-ed module (the root and
 nested ones too), and of every module outside them that holds parameters of its own (the head,
-the embedding, the final norm), with the model's backend: FSDP2's hooks keep running eagerly in `nn.Module.__call__`,
-and the forward they wrap is one of fxamp's graphs. Where the surrounding frame is traced,
-Dynamo inlines such a forward into the surrounding graph, so nothing changes there.
+the embedding, the final norm), with the model's backend: FSDP2's hooks keep running eagerly
+in `nn.Module.__call__`, and the forward they wrap is one of fxamp's graphs. Where the
+surrounding frame is traced, Dynamo inlines such a forward into the surrounding graph, so
+nothing changes there.
 
 A forward already set on the instance (hook libraries wrap a module's forward that way) is
 the one compiled, so the wrapper keeps running.
@@ -27,10 +28,10 @@ Each module gets a code object of its own (Note [One code object per compiled mo
 cast_model.py) and a backend that knows its path (`FxampBackend.for_module`), so that its graph
 names modules as the model's graph would (`provenance.place_in_model`): module overrides,
 float8's `skip_modules`, delayed scaling's per-GEMM histories and explain() mean the same with
-and without FSDP2. Identical transformer blocks therefore compile once each, not once in all:
-sharing one code object would share one graph, and its module paths and amax histories, between
-blocks (and would make Dynamo recompile a module of other shapes with dynamic ones, which float8
-refuses).
+and without FSDP2. Identical transformer blocks are therefore traced once each, not once in
+all (Inductor's FX graph cache compiles their identical graphs once): sharing one code object
+would share one graph, and its module paths and amax histories, between blocks (and would make
+Dynamo recompile a module of other shapes with dynamic ones, which float8 refuses).
 """
 
 from __future__ import annotations
@@ -161,12 +162,11 @@ def compile_sharded_modules(model: torch.nn.Module,
     module); returns the function that undoes it."""
     previous = []
     for path, module in modules_to_compile(model):
-        own = module.__dict__.get("forward")
-        if isinstance(own, _CompiledForward):
-            own = None
+        before = module.__dict__.get("forward")
+        own = None if isinstance(before, _CompiledForward) else before
         compiled = compile_fn(_forward_code(model, path, own), path,
                               _compat.unsharded_class(type(module)))
-        previous.append((module, module.__dict__.get("forward")))
+        previous.append((module, before))
         module.__dict__["forward"] = _CompiledForward(compiled, module)
 
     def undo() -> None:
