@@ -27,8 +27,7 @@ in the root's own forward, not in a module that owns a parameter).
 Each module gets a code object of its own (Note [One code object per compiled model] in
 cast_model.py) and a backend that knows its path (`FxampBackend.for_module`), so that its graph
 names modules as the model's graph would (`provenance.place_in_model`): module overrides,
-float8's `skip_modules`, delayed scaling's per-GEMM histories and explain() mean the same with
-and without FSDP2. Identical transformer blocks are therefore traced once each, not once in
+float8's `skip_modules` and explain() mean the same with and without FSDP2. Identical transformer blocks are therefore traced once each, not once in
 all (Inductor's FX graph cache compiles their identical graphs once): sharing one code object
 would share one graph, and its module paths and amax histories, between blocks (and would make
 Dynamo recompile a module of other shapes with dynamic ones, which float8 refuses).
