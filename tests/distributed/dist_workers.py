@@ -379,11 +379,14 @@ def float8_under_fsdp(rank):
     delayed = fxamp.compile(Blocks(), opt_level="O2", compiler="aot_eager",
                             float8=Float8Config(scaling="delayed", min_dim=16))
     fully_shard(delayed)
+    before = [p.to_local().clone() for p in delayed.parameters()]
     try:
         delayed(x)
         refusal = None
     except fxamp.ConfigError as e:
         refusal = str(e)
+    untouched = all(torch.equal(a, p.to_local()) and a.dtype == p.dtype
+                    for a, p in zip(before, delayed.parameters()))
     try:
         fxamp.explain(sharded, x)
         explain_refusal = None
@@ -398,7 +401,8 @@ def float8_under_fsdp(rank):
     except fxamp.ConfigError as e:
         late_refusal = str(e)
     return {"as_float8": same("sharded", "float8") and same("sharded_again", "float8"),
-            "delayed_refusal": refusal, "late_refusal": late_refusal,
+            "delayed_refusal": refusal, "delayed_untouched": untouched,
+            "late_refusal": late_refusal,
             "explain_refusal": explain_refusal,
             "as_bf16": same("sharded", "bf16"),
             "float8_differs": not same("float8", "bf16"), "choices": choices,

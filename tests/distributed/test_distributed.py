@@ -211,6 +211,7 @@ def test_float8_reaches_fsdp2_sharded_modules():
         # delayed scaling's histories would differ per rank: refused at the first call
         assert r["delayed_refusal"].startswith("float8 scaling='delayed' under FSDP2: each rank")
         assert "use Float8Config(scaling='dynamic') with fully_shard" in r["delayed_refusal"]
+        assert r["delayed_untouched"], r  # the refused model's shards as they were
         # sharded after its first call: its sharded modules would run eagerly, refused
         assert r["late_refusal"].startswith(
             "blocks.0 of Blocks sharded with fully_shard after the model's first call"), r
