@@ -154,16 +154,23 @@ NORM_MODULE_TYPES = (torch.nn.modules.batchnorm._BatchNorm,
 COMPILED_CALL_ATTR = "_compiled_call_impl"
 
 
+def fsdp_module_class() -> Optional[type]:
+    """FSDP2's `FSDPModule` (every `fully_shard`-ed module is one), or None without
+    torch.distributed. Checked on 2.11.0, 2.13.0, 2.14.1."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
 def unsharded_class(cls: Any) -> Any:
     """The class `fully_shard` derived `cls` from (it swaps a module's class for a new
     `FSDP<Name>(FSDPModule, <Name>)`), or `cls` itself. Checked on 2.11.0, 2.13.0, 2.14.1."""
-    if not isinstance(cls, type) or not torch.distributed.is_available():
+    fsdp = fsdp_module_class()
+    if fsdp is None or not isinstance(cls, type) or cls is fsdp or not issubclass(cls, fsdp):
         return cls
-    from torch.distributed.fsdp import FSDPModule
-
-    if cls is FSDPModule or not issubclass(cls, FSDPModule):
-        return cls
-    return next((base for base in cls.__bases__ if base is not FSDPModule), cls)
+    return next((base for base in cls.__bases__ if base is not fsdp), cls)
 
 
 def call_impl(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

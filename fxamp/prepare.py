@@ -194,9 +194,10 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
         forget_copyable(model)
 
     def first_call() -> Callable[[], None]:  # Note [Sharded modules are compiled one by one]
-        check_sharded(model, fxamp_backend.config)
-        fxamp_backend.sharded_at_first_call = bool(modules_to_compile(model))
-        return compile_sharded_modules(model, lambda fn, path, module_type: torch.compile(
+        targets = modules_to_compile(model)
+        check_sharded(targets, fxamp_backend.config)
+        fxamp_backend.sharded_at_first_call = bool(targets)
+        return compile_sharded_modules(model, targets, lambda fn, path, module_type: torch.compile(
             fn, backend=fxamp_backend.for_module(path, module_type), dynamic=settings.dynamic,
             fullgraph=settings.fullgraph))
 

@@ -27,10 +27,11 @@ in the root's own forward, not in a module that owns a parameter).
 Each module gets a code object of its own (Note [One code object per compiled model] in
 cast_model.py) and a backend that knows its path (`FxampBackend.for_module`), so that its graph
 names modules as the model's graph would (`provenance.place_in_model`): module overrides,
-float8's `skip_modules` and explain() mean the same with and without FSDP2. Identical transformer blocks are therefore traced once each, not once in
-all (Inductor's FX graph cache compiles their identical graphs once): sharing one code object
-would share one graph, and its module paths and amax histories, between blocks (and would make
-Dynamo recompile a module of other shapes with dynamic ones, which float8 refuses).
+float8's `skip_modules` and explain() mean the same with and without FSDP2. Identical
+transformer blocks are therefore traced once each, not once in all (Inductor's FX graph cache
+compiles their identical graphs once): sharing one code object would share one graph, and its
+module paths and amax histories, between blocks (and would make Dynamo recompile a module of
+other shapes with dynamic ones, which float8 refuses).
 """
 
 from __future__ import annotations
@@ -49,16 +50,9 @@ __all__ = ["compile_sharded_modules", "modules_to_compile", "check_sharded",
            "check_not_sharded_since", "sharded_paths", "check_copyable"]
 
 
-def _fsdp_module_class() -> Optional[type]:
-    if not torch.distributed.is_available():
-        return None
-    from torch.distributed.fsdp import FSDPModule
-    return FSDPModule
-
-
 def sharded_paths(model: torch.nn.Module) -> list[str]:
     """The paths of `model`'s FSDP2-sharded modules ("<root>" for the model itself)."""
-    fsdp = _fsdp_module_class()
+    fsdp = _compat.fsdp_module_class()
     return [] if fsdp is None else [name or "<root>" for name, m in model.named_modules()
                                     if isinstance(m, fsdp)]
 
@@ -79,7 +73,7 @@ def check_copyable(model: torch.nn.Module) -> None:
 def modules_to_compile(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """(name, module) of what Note [Sharded modules are compiled one by one] compiles: empty
     unless `model` or some submodule is sharded with FSDP2 (the root's name is "")."""
-    fsdp = _fsdp_module_class()
+    fsdp = _compat.fsdp_module_class()
     if fsdp is None:
         return []
     named = list(model.named_modules())
@@ -95,12 +89,13 @@ def modules_to_compile(model: torch.nn.Module) -> list[tuple[str, torch.nn.Modul
             and any(True for _ in m.parameters(recurse=False))]
 
 
-def check_sharded(model: torch.nn.Module, config: AmpConfig) -> None:
+def check_sharded(targets: list[tuple[str, torch.nn.Module]], config: AmpConfig) -> None:
     """Refuse what fxamp cannot keep right under FSDP2 (asked at the first call, before anything
-    is compiled): float8 delayed scaling, whose amax histories are buffers of the model that
-    each rank would fill from its own inputs while a checkpoint keeps one rank's."""
+    is compiled; `targets`: `modules_to_compile(model)`): float8 delayed scaling, whose amax
+    histories are buffers of the model that each rank would fill from its own inputs while a
+    checkpoint keeps one rank's."""
     f8 = config.float8
-    if f8 is None or f8.scaling != "delayed" or not modules_to_compile(model):
+    if f8 is None or f8.scaling != "delayed" or not targets:
         return
     raise ConfigError(
         "float8 scaling='delayed' under FSDP2: each rank would update the amax histories "
@@ -153,14 +148,14 @@ def _forward_code(model: torch.nn.Module, path: str,
                               None, forward.__closure__)
 
 
-def compile_sharded_modules(model: torch.nn.Module,
+def compile_sharded_modules(model: torch.nn.Module, targets: list[tuple[str, torch.nn.Module]],
                             compile_fn: Callable[[Callable[..., Any], str, type],
                                                  Callable[..., Any]]) -> Callable[[], None]:
-    """Give each module of `modules_to_compile(model)` a forward compiled by
+    """Give each module of `targets` (`modules_to_compile(model)`) a forward compiled by
     `compile_fn(function, path, class)` (torch.compile with the model's backend for that
     module); returns the function that undoes it."""
     previous = []
-    for path, module in modules_to_compile(model):
+    for path, module in targets:
         before = module.__dict__.get("forward")
         own = None if isinstance(before, _CompiledForward) else before
         compiled = compile_fn(_forward_code(model, path, own), path,
