@@ -76,7 +76,7 @@ class Accelerator(accelerate.Accelerator):
         """accelerate's `prepare`, with fxamp's opt level applied first to the models not yet
         compiled by fxamp and to the torch optimizers (built on those models' parameters).
         Build lr schedulers on the optimizers it returns (or pass them in the same call)."""
-        args = self._apply_amp(args)
+        args = self.apply_amp(*args)
         return super().prepare(*args, device_placement=device_placement)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer,
@@ -123,7 +123,11 @@ class Accelerator(accelerate.Accelerator):
                 return True
         return False
 
-    def _apply_amp(self, args: tuple) -> tuple:
+    def apply_amp(self, *args: Any) -> tuple:
+        """`args` with fxamp's opt level applied, without accelerate's preparation: models not
+        yet compiled by fxamp are compiled (in place), torch Adam / AdamW / SGD become fxamp's
+        fused optimizers over the same param groups; those get this accelerator's loss scaler.
+        What `prepare` does first; the Trainer calls it before building its lr scheduler."""
         models = [a for a in args if isinstance(a, torch.nn.Module) and config_of(a) is None]
         opts = [a for a in args if isinstance(a, torch.optim.Optimizer)
                 and not isinstance(a, (FusedOptimizer, AcceleratedOptimizer))]
