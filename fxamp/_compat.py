@@ -39,7 +39,7 @@ __all__ = [
     "set_compiled_call", "COMPILED_CALL_ATTR", "own_tensors", "rename_node", "SEQ_NR",
     "FWD_NN_MODULE_STACK", "PARTITIONER_TAG", "EXAMPLE_VALUE", "from_node_names",
     "active_ddp_module", "ddp_bucket_dtypes", "functional_all_reduce", "foreach_add_",
-    "foreach_copy_", "HigherOrderOperator", "SET_GRAD_ENABLED", "make_fx_tracer",
+    "foreach_copy_", "unscale_and_check_", "HigherOrderOperator", "SET_GRAD_ENABLED", "make_fx_tracer",
     "retrace_subgraph", "emit_call", "dynamo_traces_rnns", "compile_time_metrics", "compile_cache_counters",
     "scaled_mm", "scaled_mm_refusal",
 ]
@@ -247,6 +247,9 @@ def functional_all_reduce(tensor: torch.Tensor, op: str, group: Any) -> torch.Te
 # One kernel per list instead of one per tensor. Checked on 2.11.0, 2.13.0, 2.14.1.
 foreach_add_ = torch._foreach_add_
 foreach_copy_ = torch._foreach_copy_
+# GradScaler's own unscale kernel: grads *= inv_scale in place, found_inf (a 1-element float
+# tensor) set to 1 if any is inf/nan; tensors on one device. Checked on 2.11.0, 2.13.0, 2.14.1.
+unscale_and_check_ = torch._amp_foreach_non_finite_check_and_unscale_
 
 
 # ------------------------------------------------------------------------- higher-order ops

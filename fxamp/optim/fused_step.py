@@ -44,7 +44,7 @@ import torch
 
 from fxamp._compat import compile_fresh, recompute_pointwise_options
 from fxamp.optim import codecs, distributed
-from fxamp.optim.scale_rule import ScaleRule, next_scale_state, scale_is_valid
+from fxamp.optim.scale_rule import ScaleRule, after_step, scale_is_valid
 
 __all__ = ["prologue", "update", "fold_grads", "gather_grads", "inverse", "compiled", "eager",
            "StepFns", "StepState"]
@@ -64,7 +64,7 @@ class StepState(NamedTuple):
 
 
 def prologue(grads: Sequence[Tensor], state: StepState,
-             scaler_state: Optional[tuple[Tensor, Tensor, Tensor]],
+             scaler_state: Optional[tuple[Tensor, ...]],
              found_in: Optional[Tensor], *,
              coefs_fn: Callable[[Tensor, Tensor], Tensor], check: bool,
              max_norm: Optional[float], rule: Optional[ScaleRule], group: Any = None,
@@ -106,8 +106,8 @@ def prologue(grads: Sequence[Tensor], state: StepState,
                         found.float().expand(rows)], 1)
     step.copy_(new_step)
     state.found.copy_(found)
-    if scaler_state is not None and rule.dynamic:
-        for dst, src in zip(scaler_state, next_scale_state(*scaler_state, found, rule)):
+    if scaler_state is not None and rule.moves:
+        for dst, src in zip(scaler_state, after_step(scaler_state, found, rule)):
             dst.copy_(src)
     return torch.cat([coefs, tail], 1)
 

@@ -47,6 +47,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     algorithm: Algorithm
     larc: Optional[Any] = None  # LARCSettings once fxamp.optim.LARC applied them
+    fuses_loss_scaling = True  # a LossScaler's GradScaler protocol hands it the scaler
 
     def __init__(self, params: Any, defaults: dict[str, Any], *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
