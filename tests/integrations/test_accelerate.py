@@ -73,7 +73,7 @@ def test_fp16_o2_norms_skip_and_resume(tmp_path):
     assert got[OVERFLOW_AT][1] is True and not torch.isfinite(torch.tensor(got[OVERFLOW_AT][0]))
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
-    assert acc.scaler.get_scale() == scale / 2
+    assert acc.scaler.get_scale() == scale / 2 and int(acc.scaler.skipped_steps) == 1
     got += _train(acc, model, opt, batches, first=OVERFLOW_AT + 1)
     # Every other step: not skipped, and the norm accelerate returns is the unscaled one,
     # within fp16's rounding of weights and activations of the fp32 run's.
