@@ -260,6 +260,17 @@ from torch._ops import HigherOrderOperator  # noqa: E402
 SET_GRAD_ENABLED = torch._C._set_grad_enabled
 
 
+def storage_key(tensor: torch.Tensor) -> Any:
+    """A hashable key equal for tensors that share storage (fake tensors included); None for
+    tensors without a dense storage of their own (sparse, DTensor and other subclasses)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if tensor.layout != torch.strided or is_traceable_wrapper_subclass(tensor):
+        return None
+    return StorageWeakRef(tensor.untyped_storage())
+
+
 def make_fx_tracer() -> Any:
     """The tracer of the make_fx session in progress (pre-dispatch included)."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
