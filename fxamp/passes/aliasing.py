@@ -45,9 +45,11 @@ def _aliased_position(op: OpOverload) -> Optional[int]:
     returns = op._schema.returns
     if not returns or returns[0].alias_info is None:
         return None
-    sets = returns[0].alias_info.before_set
-    return next((i for i, a in enumerate(op._schema.arguments)
-                 if a.alias_info is not None and a.alias_info.before_set & sets), None)
+    # A list of views (`split(Tensor(a -> *) self) -> Tensor(a)[]`) shows no set on the list:
+    # its argument's alias set goes to the wildcard.
+    sets = returns[0].alias_info.before_set or {"*"}
+    return next((i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None
+                 and (a.alias_info.before_set | a.alias_info.after_set) & sets), None)
 
 
 def _node_args(node: fx.Node, position: int) -> list[fx.Node]:

@@ -151,14 +151,15 @@ def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: 
     blocked = aliasing.uncastable(node)
     positions = _leaf_positions(node)
     leaves = pytree.tree_leaves((node.args, node.kwargs))
-    mixed = node.target in ONE_DTYPE_OPS and any(vals[i].dtype in LOW_DTYPES
-                                                 for i in eligible_idx)
-    for i in eligible_idx:
-        leaf = leaves[i]
-        if (isinstance(leaf, fx.Node) and (leaf.op == "placeholder" or mixed)
-                and vals[i].dtype == torch.float32 and positions[i] not in blocked):
-            decision.arg_casts[i] = config.dtype
-    if decision.arg_casts and mixed:
+    castable = [i for i in eligible_idx if isinstance(leaves[i], fx.Node)
+                and vals[i].dtype == torch.float32 and positions[i] not in blocked]
+    inputs = [i for i in castable if leaves[i].op == "placeholder"]
+    # Mixed: low-precision values meet fp32 ones, counting the graph inputs cast here.
+    mixed = node.target in ONE_DTYPE_OPS and bool(
+        inputs or any(vals[i].dtype in LOW_DTYPES for i in eligible_idx))
+    cast = castable if mixed else inputs
+    decision.arg_casts.update({i: config.dtype for i in cast})
+    if len(cast) > len(inputs):
         decision.reason = f"{config.opt_level} fp32 input of a one-dtype op cast to the model dtype"
     elif decision.arg_casts and not decision.reason.startswith("O"):
         decision.reason = f"{config.opt_level} graph input cast to the model dtype"
