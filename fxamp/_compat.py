@@ -301,6 +301,31 @@ def emit_call(target: Callable, args: tuple, kwargs: dict, outputs: Any) -> Any:
     return track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)
 
 
+def traced_record(tensor: torch.Tensor) -> Any:
+    """What the make_fx session in progress records for `tensor` (its proxy), or None."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    return get_proxy_slot(tensor, make_fx_tracer(), None)
+
+
+def record_node(record: Any) -> fx.Node:
+    return record.proxy.node
+
+
+def split_returned_input(tensor: torch.Tensor, before: Any) -> torch.Tensor:
+    """`tensor`, returned by an op that took it, now records the op's node: bind that record
+    to a new alias of `tensor` (made without a node) and return it; `tensor` gets `before`
+    back (Note [One value per Dynamo node] in fxamp/passes/capture.py)."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, set_proxy_slot
+
+    tracer = make_fx_tracer()
+    with disable_proxy_modes_tracing():
+        alias = torch.ops.aten.alias.default(tensor)
+    set_proxy_slot(alias, tracer, traced_record(tensor))
+    set_proxy_slot(tensor, tracer, before)
+    return alias
+
+
 # ------------------------------------------------------------------ compile-time accounting
 def compile_time_metrics() -> dict[str, list[float]]:
     """Seconds per call of each function torch times while compiling (`dynamo_timed`), by name

@@ -13,6 +13,7 @@ import fxamp
 from fxamp import AmpConfig
 from fxamp._compat import FakeTensorMode, OpOverload, make_fx
 from fxamp.passes.aliasing import Aliasing, written_positions
+from fxamp.passes.capture import to_aten
 from fxamp.passes.insert_casts import is_fxamp_cast
 from fxamp.testing import format_graph, transform
 
@@ -212,3 +213,47 @@ def test_cls_token_update_keeps_its_value_and_gradient(level, graph_break):
     for name, ref in ref_grads.items():
         assert grads[name] is not None, f"{name}.grad lost"
         assert _rel(grads[name], ref) <= k * _rel(ac_grads[name], ref) + floor, name
+
+
+# --- Note [One value per Dynamo node] (capture.py): `h.float()` of an fp32-traced h --------
+def test_an_op_returning_its_input_gets_a_node_of_its_own():
+    def fn(h, buf):
+        with torch.no_grad():
+            buf.add_(h.float().mean(0))  # a copy once h is bf16: made without gradient
+        return h - buf, h.add_(1)  # reads h, not h.float(); after add_, reads the add_
+
+    gm = torch.fx.symbolic_trace(fn)
+    mode = FakeTensorMode()
+    fakes = [mode.from_tensor(torch.randn(4, D)), mode.from_tensor(torch.zeros(D))]
+    aten = to_aten(gm, fakes, mode)
+    nodes = {n.name: n for n in aten.graph.nodes}
+    assert nodes["mean"].args[0] is nodes["to"]
+    assert nodes["sub"].args[0] is nodes["h"]
+    assert [n.name for n in aten.graph.output_node().args[0]] == ["sub", "add__1"]
+
+
+class RunningMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.register_buffer("ema", torch.zeros(D))
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(h.float().mean(0), alpha=0.1)
+        return h - self.ema
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_buffer_updated_from_a_no_grad_copy_keeps_the_output_differentiable(level):
+    torch.manual_seed(0)
+    model, x = RunningMean(), torch.randn(4, D)
+    ref = copy.deepcopy(model).double()
+    want = ref(x.double())
+    compiled = fxamp.compile(model, opt_level=level, dtype=torch.bfloat16, compiler="aot_eager")
+    out = compiled(x)
+    assert out.requires_grad and out.grad_fn is not None
+    out.float().sum().backward()
+    assert compiled.fc.weight.grad is not None
+    assert _rel(out, want) < TOL and _rel(compiled.ema, ref.ema) < TOL
