@@ -263,6 +263,17 @@ from torch._ops import HigherOrderOperator  # noqa: E402
 SET_GRAD_ENABLED = torch._C._set_grad_enabled
 
 
+def storage_key(tensor: torch.Tensor) -> Any:
+    """A hashable key equal for tensors that share storage (fake tensors included); None for
+    tensors without a dense storage of their own (sparse, DTensor and other subclasses)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if tensor.layout != torch.strided or is_traceable_wrapper_subclass(tensor):
+        return None
+    return StorageWeakRef(tensor.untyped_storage())
+
+
 def make_fx_tracer() -> Any:
     """The tracer of the make_fx session in progress (pre-dispatch included)."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
@@ -291,6 +302,31 @@ def emit_call(target: Callable, args: tuple, kwargs: dict, outputs: Any) -> Any:
     proxy_args, proxy_kwargs = pytree.tree_map(tracer.unwrap_proxy, (args, kwargs))
     proxy = tracer.create_proxy("call_function", target, proxy_args, proxy_kwargs)
     return track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)
+
+
+def traced_record(tensor: torch.Tensor) -> Any:
+    """What the make_fx session in progress records for `tensor` (its proxy), or None."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    return get_proxy_slot(tensor, make_fx_tracer(), None)
+
+
+def record_node(record: Any) -> fx.Node:
+    return record.proxy.node
+
+
+def split_returned_input(tensor: torch.Tensor, before: Any) -> torch.Tensor:
+    """`tensor`, returned by an op that took it, now records the op's node: bind that record
+    to a new alias of `tensor` (made without a node) and return it; `tensor` gets `before`
+    back (Note [One value per Dynamo node] in fxamp/passes/capture.py)."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, set_proxy_slot
+
+    tracer = make_fx_tracer()
+    with disable_proxy_modes_tracing():
+        alias = torch.ops.aten.alias.default(tensor)
+    set_proxy_slot(alias, tracer, traced_record(tensor))
+    set_proxy_slot(tensor, tracer, before)
+    return alias
 
 
 # ------------------------------------------------------------------ compile-time accounting

@@ -17,10 +17,11 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
-from fxamp._compat import EXAMPLE_VALUE, make_fx, rename_node
+from fxamp._compat import EXAMPLE_VALUE, OpOverload, make_fx, rename_node
 
-from fxamp._compat import (SET_GRAD_ENABLED, emit_call, make_fx_tracer, pytree,
-                           retrace_subgraph)
+from fxamp._compat import (SET_GRAD_ENABLED, emit_call, make_fx_tracer, pytree, record_node,
+                           retrace_subgraph, split_returned_input, traced_record)
+from fxamp.passes.aliasing import written_positions
 from fxamp.passes.hops import HopSpec, body_inputs, hop_spec
 
 __all__ = ["to_aten", "fake_inputs", "TRAINABLE"]
@@ -49,7 +50,34 @@ class _Lower(fx.Interpreter):
         if spec is not None:
             return _trace_hop(target, spec, args, kwargs)
         with _mixed_operands_autocast(args, kwargs):
-            return super().call_function(target, args, kwargs)
+            return _one_value_per_node(super().call_function, target, args, kwargs)
+
+    def call_method(self, target, args, kwargs):
+        return _one_value_per_node(super().call_method, target, args, kwargs)
+
+
+def _one_value_per_node(call, target, args: tuple, kwargs: dict) -> Any:
+    """`call(target, args, kwargs)`, its value distinct from its inputs unless it wrote one.
+
+    Note [One value per Dynamo node]: make_fx records one node per tensor object, and an op
+    that returns its input object moves the input to the op's node. For an in-place op that
+    is right: later reads of `h` after `h.add_(x)` read the `add_`. But `aten.to` returns its
+    input when the dtype already matches, and the graph is traced in fp32: with `h` bf16 at O1,
+    `h.float()` (inside torch.no_grad, to update a buffer) is a copy, yet every later read of
+    `h` would read that copy, made without gradient (conformance pattern buffer_update). So a
+    non-writing op that returns its input gets a value of its own, and the input keeps its
+    node; the aliasing that `to` may have is still known from its schema (aliasing.py).
+    """
+    inputs = {id(t): traced_record(t) for t in pytree.tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor)}
+    out = call(target, args, kwargs)
+    if not isinstance(out, torch.Tensor) or inputs.get(id(out)) is None:
+        return out
+    node = record_node(traced_record(out))
+    if node is record_node(inputs[id(out)]) or (
+            isinstance(node.target, OpOverload) and written_positions(node.target)):
+        return out
+    return split_returned_input(out, inputs[id(out)])
 
 
 def _mixed_operands_autocast(args: tuple, kwargs: dict):
