@@ -96,6 +96,12 @@ class Float8History:
             self.model.register_buffer(full, torch.zeros(shape, device=self.device))
         return self.model.get_buffer(full)
 
+    def remove(self) -> None:
+        """Delete every history buffer from the model (un-preparing it)."""
+        names = [n for n, _ in self.model.named_buffers(recurse=False) if n.startswith(PREFIX)]
+        for name in names:
+            delattr(self.model, name)
+
 
 def _shared_refusal(name: str, first: tuple, second: tuple) -> str:
     return (f"float8 delayed scaling: two GEMMs would share the amax history {name!r}: "
@@ -140,8 +146,12 @@ def attach_history(model: torch.nn.Module, f8: Optional[Float8Config]):
 
 
 def detach_history(model: torch.nn.Module, handle) -> None:
+    """Undo `attach_history`: the hook, the Float8History and the buffers it made (the model
+    had none before: they are all made by fxamp, at a load or a trace)."""
     handle.remove()
-    model.__dict__.pop(_ATTR, None)
+    history = model.__dict__.pop(_ATTR, None)
+    if history is not None:
+        history.remove()
 
 
 def history_of(model: Optional[torch.nn.Module]) -> Optional[Float8History]:
