@@ -77,10 +77,19 @@ def _flops(node: fx.Node) -> int:
     return total if isinstance(total, int) else 0
 
 
+# Note [Float8 GEMMs at symbolic shapes]: after Dynamo recompiles for a new batch size or
+# sequence length, M (and, for attention-style GEMMs, K or N) is a SymInt. The float8 GEMM
+# itself is shape-agnostic (amax, scale, cast and `_scaled_mm` trace at any M), so only the
+# shape rules need care: each is evaluated on the symbolic size (`size_rule_holds`), which
+# makes its answer a guard of the graph, not a specialisation to the traced value. A later
+# batch that breaks a rule (M = 2 * 17) fails the guard and recompiles, and in that graph the
+# GEMM stays in the model dtype, named; every batch that keeps the rules reuses the float8
+# graph. Sizes that depend on data (unbacked) cannot be guarded on: their GEMMs stay. The
+# number of batch entries of a per-entry batched GEMM must stay static (the GEMMs are
+# unrolled at trace time: float8_operands.py refuses it before any comparison adds a guard).
+
+
 def _shape_refusal(shape: tuple, f8: Float8Config) -> Optional[str]:
-    # Note [Float8 GEMMs at symbolic shapes]: a symbolic size (a dynamic batch or sequence
-    # length) is checked like a static one; the answer becomes a guard of the graph, so a size
-    # that breaks a rule recompiles (and that graph keeps the GEMM in the model dtype).
     m, k, n = shape
     symbolic = "" if all(isinstance(d, int) for d in shape) else " (or data-dependent)"
     if not all(size_rule_holds(d % 16 == 0) for d in shape):
