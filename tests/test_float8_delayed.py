@@ -221,3 +221,20 @@ def test_two_gemms_split_by_a_graph_break_are_refused():
     # as it was, its histories (made and pushed by that graph) removed
     assert sorted(model.state_dict()) == sorted(before)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_fresh_run_that_evaluates_first_trains_as_one_that_does_not():
+    # Lightning's sanity check on a new run: the eval graph (inference_mode) is traced first,
+    # makes the histories, and leaves them empty for the first training step
+    batches = _batches(3, seed=6)
+    runs = []
+    for evaluate in (False, True):
+        model = _compiled(_model())
+        if evaluate:
+            with torch.inference_mode():
+                model(torch.randn(16, 64) * 100)
+            assert not any(h.any() for h in _histories(model).values())
+        _train(model, torch.optim.SGD(model.parameters(), lr=0.01), batches)
+        runs.append(model.state_dict())
+    assert sorted(runs[0]) == sorted(runs[1])
+    assert all(torch.equal(v, runs[1][k]) for k, v in runs[0].items())
