@@ -41,7 +41,7 @@ __all__ = [
     "active_ddp_module", "ddp_bucket_dtypes", "functional_all_reduce", "foreach_add_",
     "foreach_copy_", "unscale_and_check_", "HigherOrderOperator", "SET_GRAD_ENABLED", "make_fx_tracer",
     "retrace_subgraph", "emit_call", "dynamo_traces_rnns", "compile_time_metrics", "compile_cache_counters",
-    "scaled_mm", "scaled_mm_refusal",
+    "scaled_mm", "scaled_mm_refusal", "size_rule_holds",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
@@ -390,3 +390,13 @@ def scaled_mm_refusal(device_type: str, rowwise: bool, out_dtype: torch.dtype) -
     except (RuntimeError, NotImplementedError, TypeError, AssertionError) as e:
         return str(e).strip().splitlines()[0][:300]
     return None
+
+
+def size_rule_holds(cond: Any) -> bool:
+    """`cond`, a bool or a SymBool about sizes (`m % 16 == 0`), as a bool. A symbolic one is
+    decided from the sizes being traced and guarded on, so a later size that decides it the
+    other way recompiles; one about data-dependent (unbacked) sizes does not hold.
+    `torch.fx.experimental.symbolic_shapes.guard_or_false`, checked on 2.13.0."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return guard_or_false(cond)

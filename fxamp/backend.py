@@ -124,6 +124,7 @@ class FxampBackend:
         config = self.config
         if not config.is_resolved:
             config = config.resolve(config.device_type or _device_type(example_inputs))
+        grad_enabled = torch.is_grad_enabled()  # the caller's: Dynamo guards on it
         check_float8_support(config.float8, config.device_type, config.dtype)
         _check_active_ddp()
         if self.model is not None:
@@ -140,7 +141,8 @@ class FxampBackend:
             aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
             traced = time.perf_counter()
             stats = run_passes(aten_gm, config, fake_mode,
-                               float8_history=self._float8_history(config))
+                               float8_history=self._float8_history(config),
+                               grad_enabled=grad_enabled)
             self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
                                                       time.perf_counter() - traced))
             log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
