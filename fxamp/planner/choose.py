@@ -191,7 +191,8 @@ def plan(model: torch.nn.Module, example_batch: Any,
         sites = _per_module([_planned(m, recipe, low, budget, target, scale) for m in measures],
                             recipe, low)
         options.append(PrecisionPlan(target, budget, low, recipe, tuple(sites), count, scale))
-    best = min(options, key=lambda p: p.step_time())
+    # the fastest; between equally fast recipes (same bytes, same peak), the more accurate
+    best = min(options, key=lambda p: (p.step_time(), sum(s.error(s.precision) for s in p.sites)))
     if not best.modules(best.recipe):
         best = dataclasses.replace(best, recipe=None)
     return dataclasses.replace(best, planning_seconds=time.perf_counter() - start)
