@@ -10,6 +10,8 @@ from fxamp.explain import Explanation, explain
 from fxamp.debug import SkipMonitor, locate_overflow, range_stats
 from fxamp import distributed, optim
 from fxamp.optim import LossScaler, initialize, master_params, scale_loss
+from fxamp.planner import PrecisionPlan, Target
+from fxamp.planner.choose import plan
 
 __all__ = [
     "AmpConfig",
@@ -35,5 +37,8 @@ __all__ = [
     "initialize",
     "scale_loss",
     "master_params",
+    "plan",
+    "PrecisionPlan",
+    "Target",
 ]
 __version__ = "0.1.0"

@@ -150,11 +150,13 @@ def decide(gm: fx.GraphModule, node: fx.Node, config: AmpConfig,
     ops = gemm_operands(gm, node)
     shape = None if ops.a is None else ops.mkn
     refusal = _refusal(node, ops, config, rewritable)
+    planned = config.graph.plan_reason(module)
+    plan = "" if planned is None else f"; plan: {planned}"
     if refusal:
         dtype = short_dtype(_val(node).dtype) if isinstance(_val(node), torch.Tensor) else "-"
-        return GemmChoice(op, module, shape, False, f"{refusal}; stays {dtype}", _flops(node),
-                          ops.batch)
-    return GemmChoice(op, module, shape, True, _why(ops, config), _flops(node), ops.batch)
+        return GemmChoice(op, module, shape, False, f"{refusal}; stays {dtype}{plan}",
+                          _flops(node), ops.batch)
+    return GemmChoice(op, module, shape, True, _why(ops, config) + plan, _flops(node), ops.batch)
 
 
 def decide_gemms(gm: fx.GraphModule, config: AmpConfig, *, rewritable: bool = True) -> int:
