@@ -10,7 +10,8 @@ A stage that ends early leaves its time to the later ones, one that runs long (u
 takes from them, and a stage whose cap would be below its `min_s` is skipped, recorded as such.
 A part still running at its stage's cap is killed (its process group: Inductor's compile
 workers too) and recorded "over cap"; the stage after it runs all the same. Parts learn their
-cap (benchmarks/deadline.py) and size themselves to it, so what a killed part wrote is kept.
+cap (benchmarks/deadline.py, as a deadline 10 % or 5 s before it) and size themselves to it:
+fewer rounds, recipes or modes, rather than nothing; what a killed part wrote is kept.
 
 Parts of one stage run side by side because compiling is CPU work (16 cores) and timing needs
 the GPU alone: each part holds benchmarks/gpu_lock.py's lock shared while it compiles and
@@ -73,7 +74,8 @@ def run(stages: list[Stage], out: str, budget_s: float, *, root: str,
 
 def _run_stage(stage: Stage, out: str, root: str) -> None:
     start, procs = time.monotonic(), {}
-    cap_env = {deadline.ENV: f"{time.time() + stage.cap_s:.1f}"}
+    # The parts aim to end a little before the cap, to write what they measured.
+    cap_env = {deadline.ENV: f"{time.time() + stage.cap_s - max(5.0, 0.1 * stage.cap_s):.1f}"}
     with contextlib.ExitStack() as stack:
         stack.callback(_stop_all, stage.parts, procs)  # on an interrupt: nothing left running
         for part in stage.parts:
