@@ -39,7 +39,8 @@ __all__ = [
     "set_compiled_call", "COMPILED_CALL_ATTR", "own_tensors", "rename_node", "SEQ_NR",
     "FWD_NN_MODULE_STACK", "PARTITIONER_TAG", "EXAMPLE_VALUE", "from_node_names",
     "active_ddp_module", "ddp_bucket_dtypes", "functional_all_reduce", "foreach_add_",
-    "foreach_copy_", "HigherOrderOperator", "SET_GRAD_ENABLED", "make_fx_tracer",
+    "foreach_copy_", "HigherOrderOperator", "SET_GRAD_ENABLED", "GET_DATA_ATTR",
+    "make_fx_tracer",
     "retrace_subgraph", "emit_call", "dynamo_traces_rnns", "compile_time_metrics", "compile_cache_counters",
     "scaled_mm", "scaled_mm_refusal",
 ]
@@ -258,6 +259,10 @@ foreach_copy_ = torch._foreach_copy_
 from torch._ops import HigherOrderOperator  # noqa: E402
 
 SET_GRAD_ENABLED = torch._C._set_grad_enabled
+# What Dynamo records for `tensor.data` (a detached alias). Pre-dispatch make_fx does not track
+# its result (it would bake the traced value into the graph as a constant), while the
+# dispatch-level trace AOTAutograd runs records it as `aten.detach`. Checked on 2.13.0.
+GET_DATA_ATTR = torch._C._autograd._get_data_attr
 
 
 def make_fx_tracer() -> Any:
