@@ -9,8 +9,8 @@ FUNCTION_GROUP = "custom torch.autograd.Function"
 CHECKPOINTING = "activation checkpointing (reentrant, non-reentrant, selective)"
 BREAKS = "graph breaks (.item(), print, untraceable builtins, data-dependent branches)"
 USER_AUTOCAST = "the user's own torch.autocast regions in forward"
-DOUBLE_BACKWARD = ("double backward (create_graph=True: gradient penalty, MAML), checkpointing "
-                   "included, with compiler='eager'")
+DOUBLE_BACKWARD = ("double backward (create_graph=True: gradient penalty, MAML, through "
+                   "non-reentrant checkpointing) with compiler='eager'")
 RETAIN_GRAPH = "backward(retain_graph=True) and a second backward over one forward"
 DATA = "tensor.data and .detach() read and written in forward"
 RECURRENT = "nn.LSTM, nn.GRU, nn.RNNCell"
