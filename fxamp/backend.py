@@ -15,6 +15,7 @@ from fxamp.arguments import check_compiler
 from fxamp.compiled_call import check_storage
 from fxamp.config import AmpConfig
 from fxamp.distributed import check_ddp_order
+from fxamp.double_backward import eager_autograd, first_order_only
 from fxamp.eager_regions import without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
@@ -55,8 +56,10 @@ def _inner_compiler(compiler: Compiler, mode: Optional[str], options: Optional[d
     if compiler == "inductor":
         patches = {**(_compat.list_mode_options(mode) if mode else {}), **(options or {})}
         return lambda gm, inputs: _compat.compile_fx(gm, inputs, config_patches=patches or None)
-    if compiler in ("aot_eager", "eager"):
+    if compiler == "aot_eager":
         return _compat.aot_eager
+    if compiler == "eager":  # Note [Double backward runs the cast graph eagerly]
+        return eager_autograd
     raise ConfigError(f"compiler={compiler!r} is not one of 'inductor', 'aot_eager' or a callable")
 
 
@@ -146,7 +149,30 @@ class FxampBackend:
             self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
                                                       time.perf_counter() - traced))
             log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
-            return without_autocast(self._inner(aten_gm, example_inputs), config.device_type)
+            return without_autocast(self._compile(aten_gm, example_inputs), config.device_type)
+
+    def _compile(self, aten_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if self.compile_args["compiler"] == "eager":
+            return self._inner(aten_gm, example_inputs)
+        # Note [Graphs whose backward runs twice]
+        compiled = _compat.without_donated_buffers(self._inner, aten_gm, example_inputs)
+        return first_order_only(compiled, _compiler_name(self.compile_args["compiler"]))
+
+
+# Note [Graphs whose backward runs twice]: AOTAutograd marks a saved activation that aliases no
+# graph input or output as donated (Inductor's backward may reuse its memory), and a graph with
+# such marks refuses a backward that keeps the graph: `backward(retain_graph=True)` and a second
+# backward over one forward (several losses sharing it) fail once the graph's backward was
+# first compiled by an ordinary backward. Plain torch.compile rarely meets this on small models
+# (a Linear saves its input and weight, which are graph inputs), but fxamp's casts make the
+# saved tensors new values (the 16-bit copies of input and weight), so almost every fxamp graph
+# would. fxamp compiles its graphs without donated buffers: retain_graph always works, at the
+# cost of the backward memory Inductor's reuse of those buffers would save.
+
+
+def _compiler_name(compiler: Compiler) -> str:
+    return compiler if isinstance(compiler, str) else getattr(compiler, "__name__",
+                                                             type(compiler).__name__)
 
 
 _DELAYED_NEEDS_MODEL = (
