@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from fxamp import _compat
-from fxamp.arguments import check_compiler
+from fxamp.arguments import check_compiler, compiler_name
 from fxamp.compiled_call import check_storage
 from fxamp.config import AmpConfig
 from fxamp.distributed import check_ddp_order
@@ -156,7 +156,7 @@ class FxampBackend:
             return self._inner(aten_gm, example_inputs)
         # Note [Graphs whose backward runs twice]
         compiled = _compat.without_donated_buffers(self._inner, aten_gm, example_inputs)
-        return first_order_only(compiled, _compiler_name(self.compile_args["compiler"]))
+        return first_order_only(compiled, compiler_name(self.compile_args["compiler"]))
 
 
 # Note [Graphs whose backward runs twice]: AOTAutograd marks a saved activation that aliases no
@@ -168,11 +168,6 @@ class FxampBackend:
 # saved tensors new values (the 16-bit copies of input and weight), so almost every fxamp graph
 # would. fxamp compiles its graphs without donated buffers: retain_graph always works, at the
 # cost of the backward memory Inductor's reuse of those buffers would save.
-
-
-def _compiler_name(compiler: Compiler) -> str:
-    return compiler if isinstance(compiler, str) else getattr(compiler, "__name__",
-                                                             type(compiler).__name__)
 
 
 _DELAYED_NEEDS_MODEL = (

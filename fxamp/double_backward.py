@@ -32,7 +32,7 @@ __all__ = ["eager_autograd", "first_order_only", "DOUBLE_BACKWARD_FIX"]
 
 DOUBLE_BACKWARD_FIX = (
     "a backward with create_graph=True (torch.autograd.grad(..., create_graph=True), "
-    "backward(create_graph=True)) reached a graph fxamp compiled with compiler={compiler!r}, "
+    "backward(create_graph=True)) reached a graph fxamp compiled with compiler={compiler}, "
     "whose AOTAutograd backward cannot be differentiated again; compile the model with "
     "fxamp.compile(..., compiler='eager') (fxamp.backend(..., compiler='eager')), which runs "
     "fxamp's cast graph under eager autograd, so higher-order gradients work "

@@ -120,6 +120,8 @@ def test_first_order_backward_and_no_grad_calls_are_untouched():
     model = fxamp.compile(base, opt_level="O0", compiler="aot_eager")
     with torch.no_grad():
         model(x)
+    with torch.enable_grad():  # grad mode outside backward is not create_graph
+        torch.autograd.grad(model(x).sum(), model.a.weight)
     model(x).sum().backward()
     for (name, p), q in zip(model.named_parameters(), want.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
