@@ -118,10 +118,9 @@ def _create_loaded(model: torch.nn.Module, state_dict, prefix, *args) -> None:
     legacy = [key for key in ours if _LEGACY.match(key[len(prefix):])]
     if legacy:
         raise ConfigError(_legacy_refusal(legacy))
-    for key in ours:
+    for key in ours if history is not None else ():
         saved = state_dict[key]
-        if history is not None:
-            history.get(key[len(prefix) + len(PREFIX):], saved.shape[1] if saved.dim() == 2 else 0)
+        history.get(key[len(prefix + PREFIX):], saved.shape[1] if saved.dim() == 2 else 0)
 
 
 def _legacy_refusal(keys: list[str]) -> str:
