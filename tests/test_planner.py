@@ -183,6 +183,20 @@ def test_json_round_trip(tmp_path):
         PrecisionPlan.from_json('{"sites": []}')
     with pytest.raises(ConfigError, match="malformed fxamp plan JSON"):
         PrecisionPlan.from_json('{"fxamp_plan": 1, "sites": []}')
+    edited = plan.to_json().replace('"precision": "bf16"', '"precision": "fp8"')
+    with pytest.raises(ConfigError, match=r"plan site '2' \(linear_1\): precision 'fp8' is not "
+                                          r"one of 'fp32', 'bf16', 'rowwise'"):
+        PrecisionPlan.from_json(edited)
+
+
+def test_a_promotion_is_a_new_plan_and_a_new_config():
+    plan = fxamp.plan(outlier_mlp(), regression_batches(1)[0], F.mse_loss, target=TOY)
+    promoted = plan.with_precision("0", "fp32", "promoted by hand")
+    assert promoted.to_config().module_overrides == (("0", "fp32"),)
+    assert promoted.float8_config().skip_modules == ("0", "2")
+    assert dict(promoted.reasons())["0"] == "promoted by hand"
+    with pytest.raises(ConfigError, match="module 'head' has no GEMM in this plan"):
+        plan.with_precision("head", "fp32", "")
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -72,6 +72,31 @@ class PrecisionPlan:
     batch_scale: float = 1.0
     planning_seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bf16", "fp16"):
+            raise ConfigError(f"plan dtype={self.dtype!r} is not one of 'bf16', 'fp16'")
+        if self.recipe is not None and self.recipe not in FLOAT8_RECIPES:
+            raise ConfigError(f"plan recipe={self.recipe!r} is not one of "
+                              f"{', '.join(map(repr, FLOAT8_RECIPES))} or None")
+        if not (isinstance(self.error_budget, float) and 0 < self.error_budget < 1):
+            raise ConfigError(f"plan error_budget={self.error_budget!r} must be a float in "
+                              "(0, 1)")
+        valid = ("fp32", self.dtype, *((self.recipe,) if self.recipe else ()))
+        for s in self.sites:
+            if s.precision not in valid:
+                raise ConfigError(f"plan site {s.module!r} ({s.node}): precision "
+                                  f"{s.precision!r} is not one of {', '.join(map(repr, valid))}")
+
+    def with_precision(self, module: str, precision: str, reason: str) -> "PrecisionPlan":
+        """A copy with every GEMM of `module` in `precision` for `reason` (how a promotion to
+        fp32, by hand or by healing, becomes a new plan)."""
+        if module not in {s.module for s in self.sites}:
+            raise ConfigError(f"module {module!r} has no GEMM in this plan; planned modules: "
+                              f"{sorted({s.module for s in self.sites})[:6]}")
+        sites = tuple(dataclasses.replace(s, precision=precision, reason=reason)
+                      if s.module == module else s for s in self.sites)
+        return dataclasses.replace(self, sites=sites)
+
     # ------------------------------------------------------------------ what it amounts to
     def modules(self, precision: str) -> list[str]:
         """Module paths with a GEMM that runs in `precision`."""
