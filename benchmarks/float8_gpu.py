@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import sys
@@ -43,8 +44,8 @@ MODELS = {
     "llama1b": ("llama", 2048, 5632, 16, 32, 8, 32000, 2048, 4),
     "gpt2": ("gpt2", 768, 3072, 12, 12, 12, 50304, 1024, 8),
 }
-TINY = {"llama1b": ("llama", 64, 128, 2, 4, 4, 256, 32, 2),
-        "gpt2": ("gpt2", 64, 256, 2, 4, 4, 256, 32, 2)}
+TINY = {"llama1b": ("llama", 64, 128, 1, 4, 4, 256, 32, 2),  # one layer: the smoke is tracing
+        "gpt2": ("gpt2", 64, 256, 1, 4, 4, 256, 32, 2)}
 MODES = ("bf16", "torchao-f8", "fxamp-f8", "fxamp-f8-delay")
 
 
@@ -119,6 +120,9 @@ def run_model(name: str, spec: tuple, device: str, modes: list[str], recipe: str
             results[mode] = _time_mode(mode, base, recipe, compiler, batches, warmup, device,
                                        lock)
             results[mode]["tokens_per_step"] = batch * seq
+            gc.collect()  # the mode's model, optimizer state and compiled graphs
+            if device == "cuda":
+                torch.cuda.empty_cache()
             slowest = max(slowest, time.perf_counter() - start)
         print(f"{name:8s} {mode:15s} {_line(results[mode], batch * seq)}", flush=True)
         save(results)
