@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import exits, fused_step
+from fxamp.optim import exits, fused_step, scaled_graphs
 from fxamp.optim.distributed import is_dtensor
 from fxamp.optim.flat import flatten_param_groups
 from fxamp.optim.folding import GradientFolding
@@ -102,6 +102,8 @@ class FP16_Optimizer:
         """A backward with `scaler` is about to add to the gradients: resolve the exit they
         wait in, and fold them if they carry another scaler's scale."""
         exits.resolve_for(self)
+        scaled_graphs.release_dropped(
+            self, lambda: [p for b in self._buckets for p in b.params])
         if self.folding.unscaled is not None or self.folding.carries_other(scaler):
             self.update_master_grads()
 

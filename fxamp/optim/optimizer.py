@@ -303,6 +303,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """A backward with `scaler` is about to add to the gradients: resolve the exit they
         wait in, and fold them if they carry another scaler's scale."""
         exits.resolve_for(self)
+        scaled_graphs.release_dropped(self, self._flat_params)
         self._settle_unscaled()
         if self.folding.raw_scaler is self._unit and self._all_grads_dropped():
             self.folding.raw_scaler = None  # `model.zero_grad()` dropped the unscaled ones
