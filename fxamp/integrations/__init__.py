@@ -1,2 +1,4 @@
-"""fxamp inside other trainers; each module imports its framework, so import the one you use
-(`fxamp.integrations.lightning`): fxamp itself depends on none of them (docs/integrations.md)."""
+"""fxamp inside the trainers people use: Lightning, accelerate, the transformers Trainer,
+torchtitan. Each module imports its framework when it is imported itself (import the one you
+use, e.g. `fxamp.integrations.lightning`); `import fxamp` imports none of them
+(docs/integrations.md)."""
