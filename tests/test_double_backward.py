@@ -158,3 +158,12 @@ def test_second_backward_over_one_forward(level, compiler):
     got = _two_backwards(fxamp.compile(base, opt_level=level, compiler=compiler), x)
     bound = 1e-5 if level == "O0" else 0.05  # O1/O2: bf16 rounding of a 16-wide layer
     assert max(_rel(got[n], g) for n, g in want.items()) < bound
+
+
+@pytest.mark.slow
+def test_create_graph_through_inductor_graph_is_refused():
+    base, x = _critic()
+    model = fxamp.compile(base, opt_level="O1")
+    x = x.clone().requires_grad_()
+    with pytest.raises(ConfigError, match="compiler='inductor'"):
+        torch.autograd.grad(model(x).float().sum(), x, create_graph=True)
