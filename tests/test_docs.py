@@ -8,7 +8,8 @@ import doc_snippets
 # Pages whose ```python blocks are whole programs (the others show fragments of a training loop,
 # run for real by the examples they link to).
 PAGES = ["docs/opt_levels.md", "docs/op_policy.md", "docs/backend.md", "docs/explain.md",
-         "docs/float8.md", "docs/optimizer_memory.md", "docs/migrating_from_apex.md"]
+         "docs/float8.md", "docs/optimizer_memory.md", "docs/migrating_from_apex.md",
+         "docs/integrations.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -3,17 +3,21 @@
 `Adam`, `AdamW`, `SGD` and `LAMB` step flat buffers with one compiled graph pair (unscale,
 overflow check, clipping, update, skip, master -> model copy, loss-scale update; no host read);
 `LARC` puts Apex's trust-ratio learning rates into their step;
-`LossScaler` holds a static or dynamic scale on the device; `initialize`, `scale_loss`,
+`LossScaler` holds a static or dynamic scale on the device and speaks torch.amp.GradScaler's
+protocol; `initialize`, `scale_loss`,
 `unscale_`, `master_params`, `FP16_Optimizer` and the amp state dict helpers mirror Apex.
 """
 
-from fxamp.optim.apex import amp_state_dict, initialize, load_amp_state_dict, master_params
+from fxamp.optim.amp_state import amp_state_dict, load_amp_state_dict, load_state_dict, state_dict
+from fxamp.optim.apex import initialize, master_params
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.larc import LARC
 from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.master_check import MasterWeightsWarning, check_master_weights
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.optim.optimizers import LAMB, SGD, Adam, AdamW
 from fxamp.optim.scale_loss import scale_loss, unscale_
+from fxamp.optim.scaler_protocol import OptState
 from fxamp.optim.state_format import StateFormat
 
 __all__ = [
@@ -25,6 +29,9 @@ __all__ = [
     "FP16_Optimizer",
     "FusedOptimizer",
     "LossScaler",
+    "OptState",
+    "MasterWeightsWarning",
+    "check_master_weights",
     "StateFormat",
     "initialize",
     "scale_loss",
@@ -32,4 +39,6 @@ __all__ = [
     "master_params",
     "amp_state_dict",
     "load_amp_state_dict",
+    "state_dict",
+    "load_state_dict",
 ]

@@ -16,8 +16,9 @@ from fxamp._compat import compile_fresh
 from fxamp.errors import ConfigError
 
 __all__ = ["ScaleRule", "SEMANTICS", "UNSET", "DEFAULT_MIN_LOSS_SCALE", "build_rule",
-           "next_scale_state", "update_in_place", "compiled_update", "check_scale_value",
-           "scale_is_valid"]
+           "next_scale_state", "after_step", "update_in_place", "compiled_update",
+           "check_scale_value", "check_new_scale", "check_growth_factor", "check_backoff_factor",
+           "check_growth_interval", "scale_is_valid"]
 
 SEMANTICS = ("apex", "torch", "deepspeed")
 
@@ -65,6 +66,9 @@ class ScaleRule(NamedTuple):
     max_scale: Optional[float]
     hysteresis: int
     consecutive_hysteresis: bool
+    # False for the step of an optimizer driven through GradScaler's protocol, which moves the
+    # scale (and counts the skip) at `update()` instead (Note [GradScaler's protocol]).
+    moves: bool = True
 
 
 def next_scale_state(scale: torch.Tensor, tracker: torch.Tensor, hysteresis: torch.Tensor,
@@ -104,9 +108,17 @@ def scale_is_valid(scale: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(scale) & (scale > 0)
 
 
-def update_in_place(scale, tracker, hysteresis, found_inf, rule: ScaleRule) -> None:
-    new = next_scale_state(scale, tracker, hysteresis, found_inf, rule)
-    for dst, src in zip((scale, tracker, hysteresis), new):
+def after_step(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor, rule: ScaleRule):
+    """A scaler's (scale, growth tracker, hysteresis left, skipped steps) after a step whose
+    overflow flag is `found_inf`: the scale moves by the rule, the skip is counted."""
+    scale, tracker, hysteresis, skipped = state
+    moved = next_scale_state(scale, tracker, hysteresis, found_inf, rule)
+    return (*moved, skipped + found_inf.to(skipped.dtype))
+
+
+def update_in_place(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
+                    rule: ScaleRule) -> None:
+    for dst, src in zip(state, after_step(state, found_inf, rule)):
         dst.copy_(src)
 
 
@@ -131,10 +143,9 @@ def build_rule(semantics: str, dynamic: bool, consecutive_hysteresis: bool,
     max_scale = d["max_loss_scale"]
     rule = ScaleRule(
         dynamic=dynamic,
-        growth_factor=_growth_factor(d["growth_factor"]),
-        backoff_factor=validation.fraction(d["backoff_factor"], "backoff_factor",
-                                           closed_low=False),
-        growth_interval=validation.positive_int(d["growth_interval"], "growth_interval"),
+        growth_factor=check_growth_factor(d["growth_factor"]),
+        backoff_factor=check_backoff_factor(d["backoff_factor"]),
+        growth_interval=check_growth_interval(d["growth_interval"]),
         min_scale=validation.positive_finite(d["min_loss_scale"], "min_loss_scale",
                                              _FLOOR_HINT),
         max_scale=None if max_scale is None else validation.positive_finite(
@@ -145,12 +156,20 @@ def build_rule(semantics: str, dynamic: bool, consecutive_hysteresis: bool,
     return rule, _initial_scale(d["init_scale"], rule)
 
 
-def _growth_factor(value: Any) -> float:
-    factor = validation.real(value, "growth_factor", "a finite number >= 1")
+def check_growth_factor(value: Any, what: str = "growth_factor") -> float:
+    factor = validation.real(value, what, "a finite number >= 1")
     if not (factor >= 1 and math.isfinite(factor)):
-        raise ConfigError(f"growth_factor={value!r} must be a finite number >= 1 (1.0: the "
+        raise ConfigError(f"{what}={value!r} must be a finite number >= 1 (1.0: the "
                           "scale never grows)")
     return factor
+
+
+def check_backoff_factor(value: Any, what: str = "backoff_factor") -> float:
+    return validation.fraction(value, what, closed_low=False)
+
+
+def check_growth_interval(value: Any, what: str = "growth_interval") -> int:
+    return validation.positive_int(value, what)
 
 
 def _initial_scale(value: Any, rule: ScaleRule) -> float:
@@ -169,3 +188,14 @@ def _initial_scale(value: Any, rule: ScaleRule) -> float:
 def check_scale_value(value: Any, what: str = "loss scale") -> float:
     """A scale set by hand or loaded from a state dict: a positive finite number."""
     return validation.positive_finite(value, what)
+
+
+def check_new_scale(value: Any) -> Any:
+    """GradScaler's `update(new_scale)`: a positive finite number, or a 1-element floating
+    tensor without grad (copied on the device, not checked there: no host read)."""
+    if not isinstance(value, torch.Tensor):
+        return check_scale_value(value, "update(new_scale)")
+    if value.numel() != 1 or value.requires_grad or not value.is_floating_point():
+        raise ConfigError(f"update(new_scale) takes a number or a 1-element floating tensor "
+                          f"without grad, not a {tuple(value.shape)} {value.dtype} tensor")
+    return value

@@ -10,7 +10,7 @@ import torch
 from fxamp import validation
 from fxamp.errors import ConfigError
 
-__all__ = ["parse_scaler_state"]
+__all__ = ["parse_scaler_state", "single_scaler_entry"]
 
 
 def _number(value: Any) -> Any:
@@ -27,11 +27,15 @@ def _non_negative_int(value: Any, what: str) -> int:
     return value
 
 
-def parse_scaler_state(sd: Any, rule: Any) -> tuple[float, int, int, dict[str, Any]]:
-    """(scale, growth tracker, hysteresis left, rule fields) of fxamp's, GradScaler's or Apex's
-    loss-scaler state, every value checked (ConfigError names the key and the valid range)."""
+def parse_scaler_state(sd: Any, rule: Any) -> tuple[float, int, int, int, dict[str, Any]]:
+    """(scale, growth tracker, hysteresis left, skipped steps, rule fields) of fxamp's,
+    GradScaler's or Apex's loss-scaler state, every value checked (ConfigError names the key and
+    the valid range); GradScaler's and Apex's hold no skip count (0)."""
     if not isinstance(sd, Mapping):
         raise ConfigError(f"a loss-scaler state dict is a dict, not {type(sd).__name__}")
+    if not sd:
+        raise ConfigError("the loss-scaler state dict is empty, as a disabled scaler saves it "
+                          "(GradScaler's too); load it into a LossScaler(enabled=False)")
     if "loss_scale" in sd:  # Apex
         scale_key, tracker = "loss_scale", _non_negative_int(sd.get("unskipped"), "unskipped")
     elif "scale" in sd:  # GradScaler or fxamp
@@ -45,7 +49,8 @@ def parse_scaler_state(sd: Any, rule: Any) -> tuple[float, int, int, dict[str, A
                                        "a checkpoint saved before it, or set_scale() a new one)")
     hyst = validation.positive_int(_number(sd.get("hysteresis_left", rule.hysteresis)),
                                    "state_dict['hysteresis_left']")
-    return scale, tracker, hyst, _rule_fields(sd)
+    skipped = _non_negative_int(sd.get("skipped_steps", 0), "skipped_steps")
+    return scale, tracker, hyst, skipped, _rule_fields(sd)
 
 
 def _rule_fields(sd: Mapping[str, Any]) -> dict[str, Any]:
@@ -64,3 +69,15 @@ def _rule_fields(sd: Mapping[str, Any]) -> dict[str, Any]:
         fields["growth_interval"] = validation.positive_int(
             _number(sd["growth_interval"]), "state_dict['growth_interval']")
     return fields
+
+
+def single_scaler_entry(sd: Any) -> Any:
+    """`sd`, or its one Apex "loss_scalerN" entry; refuse an Apex dict with several."""
+    entries = [k for k in sd if k.startswith("loss_scaler")] if isinstance(sd, Mapping) else []
+    if not entries:
+        return sd
+    if len(entries) == 1:
+        return sd[entries[0]]
+    raise ConfigError(f"this Apex amp state dict holds {len(entries)} loss scalers "
+                      f"({', '.join(sorted(entries))}); pass one entry to LossScaler."
+                      "load_state_dict or use fxamp.optim.load_amp_state_dict")

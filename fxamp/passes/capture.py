@@ -19,8 +19,8 @@ import torch.fx.traceback as fx_traceback
 
 from fxamp._compat import EXAMPLE_VALUE, OpOverload, make_fx, rename_node
 
-from fxamp._compat import (SET_GRAD_ENABLED, emit_call, make_fx_tracer, pytree, record_node,
-                           retrace_subgraph, split_returned_input, traced_record)
+from fxamp._compat import (GET_DATA_ATTR, SET_GRAD_ENABLED, emit_call, make_fx_tracer, pytree,
+                           record_node, retrace_subgraph, split_returned_input, traced_record)
 from fxamp.passes.aliasing import written_positions
 from fxamp.passes.hops import HopSpec, body_inputs, hop_spec
 
@@ -42,8 +42,27 @@ def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode) ->
     return fakes
 
 
-class _Lower(fx.Interpreter):
-    """Runs a Dynamo graph for make_fx; the higher-order ops in `HOPS` stay one node each."""
+class _Run(fx.Interpreter):
+    """Runs a Dynamo graph (or a higher-order op's body) for make_fx.
+
+    Note [tensor.data is traced as detach]: Dynamo records `t.data` as `_get_data_attr(t)`, whose
+    result pre-dispatch tracing does not track: it would enter the graph as a constant holding
+    the traced (fake) value, and fail at the next op ("Please convert all Tensors to
+    FakeTensors first"; under Inductor "Cannot access data pointer"). AOTAutograd's own trace,
+    one level lower, records it as `aten.detach`, so `torch.compile(backend="aot_eager")` runs
+    it; fxamp records the same op. A write through `.data` (`m.data[:1] = v`) is then a write
+    through a detached alias, which AOTAutograd's functionalization carries to `m`, as it does
+    for the same code under plain torch.compile.
+    """
+
+    def call_function(self, target, args, kwargs):
+        if target is GET_DATA_ATTR:
+            return torch.ops.aten.detach.default(*args)
+        return super().call_function(target, args, kwargs)
+
+
+class _Lower(_Run):
+    """`_Run` whose higher-order ops in `HOPS` stay one node each."""
 
     def call_function(self, target, args, kwargs):
         spec = hop_spec(target)
@@ -131,7 +150,7 @@ def _retrace_body(body: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:
     outer = make_fx_tracer().graph
     before = set(outer.nodes)
     with fx_traceback.preserve_node_meta():  # make_fx's subgraph tracing does not keep it on
-        aten_body = retrace_subgraph(fx.Interpreter(body).run, *inputs)
+        aten_body = retrace_subgraph(_Run(body).run, *inputs)
     # The grad-mode switches inside the body are recorded in the body and, through the
     # enclosing trace's torch-function mode, once more around the node: drop the copies.
     for node in [n for n in outer.nodes if n not in before]:

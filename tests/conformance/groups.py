@@ -10,6 +10,10 @@ FUNCTION_GROUP = "custom torch.autograd.Function"
 CHECKPOINTING = "activation checkpointing (reentrant, non-reentrant, selective)"
 BREAKS = "graph breaks (.item(), print, untraceable builtins, data-dependent branches)"
 USER_AUTOCAST = "the user's own torch.autocast regions in forward"
+DOUBLE_BACKWARD = ("double backward (create_graph=True: gradient penalty, MAML, through "
+                   "non-reentrant checkpointing) with compiler='eager'")
+RETAIN_GRAPH = "backward(retain_graph=True) and a second backward over one forward"
+DATA = "tensor.data and .detach() read and written in forward"
 RECURRENT = "nn.LSTM, nn.GRU, nn.RNNCell"
 ENCODER = "nn.TransformerEncoder, train and eval (fast path)"
 INFERENCE = "inference under torch.no_grad / torch.inference_mode"
@@ -17,4 +21,5 @@ COPIES = "copies of a compiled model: deepcopy, pickle, AveragedModel"
 HF = "transformers models, gradient_checkpointing_enable()"
 
 ORDER = [LAYERS, HOOKS, BUFFERS, VIEWS, SIDE, PARAM, FUNCTION_GROUP, CHECKPOINTING, BREAKS,
-         USER_AUTOCAST, RECURRENT, ENCODER, INFERENCE, COPIES, HF]
+         USER_AUTOCAST, DOUBLE_BACKWARD, RETAIN_GRAPH, DATA, RECURRENT, ENCODER, INFERENCE, COPIES,
+         HF]

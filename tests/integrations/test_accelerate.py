@@ -1,0 +1,120 @@
+"""fxamp.integrations.accelerate.Accelerator with real accelerate, a tiny GPT-2 on CPU: the
+gradient norms accelerate clips and returns are the unscaled ones (equal to an fp32 run's), an
+injected overflow is skipped and reported, save_state/load_state resume exactly, and the
+refusals leave everything as it was."""
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+import accelerate  # noqa: E402
+
+from fxamp.errors import ConfigError  # noqa: E402
+from fxamp.integrations.accelerate import Accelerator  # noqa: E402
+
+import tiny_gpt2  # noqa: E402
+
+STEPS, OVERFLOW_AT, SAVE_AFTER = 5, 3, 2
+MAX_NORM = 0.5  # below the norms this model starts with, so clipping acts
+
+
+def _train(acc, model, opt, batches, *, skip_at=None, save_to=None, first=0):
+    """Steps `first`.. over `batches`; returns the clipped norm and skip flag of each step."""
+    out = []
+    for i, x in enumerate(batches[first:], start=first):
+        acc.backward(model(input_ids=x, labels=x).loss)
+        if i == skip_at:
+            tiny_gpt2.poison_grad(model)
+        norm = acc.clip_grad_norm_(model.parameters(), MAX_NORM)
+        if skip_at is None or i != skip_at or isinstance(acc, Accelerator):
+            opt.step()  # the fp32 reference leaves the poisoned step out by hand
+        out.append((float(norm), acc.optimizer_step_was_skipped))
+        opt.zero_grad()
+        if save_to is not None and i == SAVE_AFTER:
+            acc.save_state(save_to)
+    return out
+
+
+def _fp32_run(batches):
+    acc = accelerate.Accelerator(cpu=True)
+    model = tiny_gpt2.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model, opt = acc.prepare(model, opt)
+    return _train(acc, model, opt, batches, skip_at=OVERFLOW_AT), model
+
+
+def _moved_apart(model, ref_model):
+    init = tiny_gpt2.model().state_dict()
+    got, ref = model.state_dict(), ref_model.state_dict()
+    apart = sum(float((got[k].float() - ref[k]).norm()) ** 2 for k in ref) ** 0.5
+    moved = sum(float((ref[k] - init[k]).norm()) ** 2 for k in ref) ** 0.5
+    return apart / moved
+
+
+def test_fp16_o2_norms_skip_and_resume(tmp_path):
+    batches = tiny_gpt2.batches(STEPS)
+    ref, ref_model = _fp32_run(batches)
+    acc = Accelerator(cpu=True, mixed_precision="fp16", opt_level="O2", compiler="aot_eager")
+    model = tiny_gpt2.model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    model, opt = acc.prepare(model, opt)
+    assert acc.mixed_precision == "no" and acc.scaler is opt.optimizer.loss_scalers[0]
+    assert next(model.parameters()).dtype == torch.float16
+    got = _train(acc, model, opt, batches[:OVERFLOW_AT], save_to=tmp_path)
+    scale = acc.scaler.get_scale()
+    before = copy.deepcopy(model.state_dict())
+    got += _train(acc, model, opt, batches[:OVERFLOW_AT + 1], skip_at=OVERFLOW_AT,
+                  first=OVERFLOW_AT)
+    # The overflow: reported, skipped (every weight bit-identical), the scale backed off.
+    assert got[OVERFLOW_AT][1] is True and not torch.isfinite(torch.tensor(got[OVERFLOW_AT][0]))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert acc.scaler.get_scale() == scale / 2 and int(acc.scaler.skipped_steps) == 1
+    got += _train(acc, model, opt, batches, first=OVERFLOW_AT + 1)
+    # Every other step: not skipped, and the norm accelerate returns is the unscaled one,
+    # within fp16's rounding of weights and activations of the fp32 run's.
+    for i, ((norm, skipped), (ref_norm, _)) in enumerate(zip(got, ref)):
+        if i != OVERFLOW_AT:
+            assert not skipped and norm == pytest.approx(ref_norm, rel=2e-2), i
+    # The weights (SGD: its steps are proportional to the gradients, so fp16 rounding stays
+    # small): within 1 % of the distance the fp32 run moved them.
+    assert _moved_apart(model, ref_model) < 0.01
+    # Resume: load_state from after step SAVE_AFTER and run the rest again: bit-identical,
+    # the skip at OVERFLOW_AT included.
+    final = copy.deepcopy(model.state_dict())
+    acc.load_state(tmp_path)
+    assert acc.scaler.get_scale() == scale
+    again = _train(acc, model, opt, batches, skip_at=OVERFLOW_AT, first=SAVE_AFTER + 1)
+    assert again == got[SAVE_AFTER + 1:]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, final[k]), k
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(mixed_precision="fp8"), "amp_options={'float8'"),
+    (dict(dynamo_backend="inductor"), "dynamo_backend='fxamp'"),
+    (dict(opt_level="o2"), "letter O"),
+])
+def test_refusals_before_accelerate_starts(kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        Accelerator(cpu=True, **kwargs)
+
+
+def test_dynamo_backend_fxamp_is_accepted():
+    acc = Accelerator(cpu=True, dynamo_backend="fxamp", compiler="aot_eager")
+    assert acc.state.dynamo_plugin.backend.value == "NO"  # fxamp compiles, accelerate does not
+
+
+def test_an_optimizer_without_a_fused_counterpart_is_refused_untouched():
+    acc = Accelerator(cpu=True, mixed_precision="fp16", opt_level="O2", compiler="aot_eager")
+    model = tiny_gpt2.model()
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-2)
+    state, groups = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    with pytest.raises(ConfigError, match="RMSprop has no fused fxamp counterpart"):
+        acc.prepare(model, opt)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert opt.state_dict() == groups and acc.scaler is None
