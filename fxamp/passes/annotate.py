@@ -105,7 +105,6 @@ def _decide(node: fx.Node, vals: list[Any], config: AmpConfig,
         return OpDecision(CastPolicy.KEEP, BOUNDARY_REASON, tuple(_dtype(v) for v in vals), {},
                           boundary=True)
     policy, reason = choose_policy(node, config)
-    low = config.dtype
     device = config.device_type
     eligible_idx = [i for i, v in enumerate(vals) if _eligible(v, device)]
     decision = OpDecision(policy, reason, tuple(_dtype(v) for v in vals), {})
@@ -119,7 +118,7 @@ def _decide(node: fx.Node, vals: list[Any], config: AmpConfig,
     positions = _leaf_positions(node)
     allowed = castable_args(node.target, policy, len(node.args))
     blocked = aliasing.uncastable(node)
-    target = _target_dtype(policy, [vals[i].dtype for i in eligible_idx], low)
+    target = _target_dtype(policy, [vals[i].dtype for i in eligible_idx], config.dtype)
     for i in eligible_idx:
         pos = positions[i]
         if pos in blocked or (allowed is not None and pos not in allowed):
@@ -141,9 +140,8 @@ def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: 
     # break makes any value an output, so fxamp.compile casts outputs with a module hook
     # (Note [Model-boundary casts] in cast_model.py). An fp32 value that meets low-precision
     # ones in an op that takes one dtype (a matmul after the user's fp32 autocast region)
-    # is cast the same way: the op runs in the model dtype, as autocast would run it. Never
-    # where the cast would detach a view from its storage (Note [Casts and in-place updates
-    # of views] in aliasing.py).
+    # is cast the same way: the op runs in the model dtype, as autocast would run it. No cast
+    # detaches a view from storage written later (Note [Casts and in-place updates of views]).
     if config.cast_model_type not in LOW_DTYPES or node.target in USER_CAST_OPS:
         return
     if not isinstance(node.target, OpOverload):

@@ -58,7 +58,10 @@ class _Run(fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is GET_DATA_ATTR:
             return torch.ops.aten.detach.default(*args)
-        return super().call_function(target, args, kwargs)
+        return _one_value_per_node(super().call_function, target, args, kwargs)
+
+    def call_method(self, target, args, kwargs):
+        return _one_value_per_node(super().call_method, target, args, kwargs)
 
 
 class _Lower(_Run):
@@ -69,10 +72,7 @@ class _Lower(_Run):
         if spec is not None:
             return _trace_hop(target, spec, args, kwargs)
         with _mixed_operands_autocast(args, kwargs):
-            return _one_value_per_node(super().call_function, target, args, kwargs)
-
-    def call_method(self, target, args, kwargs):
-        return _one_value_per_node(super().call_method, target, args, kwargs)
+            return super().call_function(target, args, kwargs)
 
 
 def _one_value_per_node(call, target, args: tuple, kwargs: dict) -> Any:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from . import corpus_autograd, corpus_grads, corpus_hf, corpus_layers, corpus_modules
+from . import (corpus_autograd, corpus_grads, corpus_hf, corpus_layers, corpus_modules,
+               corpus_views)
 from .harness import Pattern
 
-PATTERNS: list[Pattern] = [*corpus_layers.PATTERNS, *corpus_autograd.PATTERNS,
-                           *corpus_grads.PATTERNS, *corpus_modules.PATTERNS, *corpus_hf.PATTERNS]
+PATTERNS: list[Pattern] = [*corpus_layers.PATTERNS, *corpus_views.PATTERNS,
+                           *corpus_autograd.PATTERNS, *corpus_grads.PATTERNS,
+                           *corpus_modules.PATTERNS, *corpus_hf.PATTERNS]
 BY_NAME = {p.name: p for p in PATTERNS}
 assert len(BY_NAME) == len(PATTERNS), "pattern names must be unique"
 

@@ -3,6 +3,7 @@
 LAYERS = "Linear, conv, BatchNorm, sdpa with masks, embeddings, in-place ops, channels_last"
 HOOKS = "module forward / backward hooks, Tensor.register_hook in forward"
 BUFFERS = "buffers updated in forward"
+VIEWS = "in-place updates through views (slices, narrow, select, as_strided)"
 SIDE = "fp64 and complex side computations (left untouched)"
 PARAM = "parametrizations (weight_norm, spectral_norm), torch.func.functional_call"
 FUNCTION_GROUP = "custom torch.autograd.Function"
@@ -19,5 +20,6 @@ INFERENCE = "inference under torch.no_grad / torch.inference_mode"
 COPIES = "copies of a compiled model: deepcopy, pickle, AveragedModel"
 HF = "transformers models, gradient_checkpointing_enable()"
 
-ORDER = [LAYERS, HOOKS, BUFFERS, SIDE, PARAM, FUNCTION_GROUP, CHECKPOINTING, BREAKS,
-         USER_AUTOCAST, DOUBLE_BACKWARD, RETAIN_GRAPH, DATA, RECURRENT, ENCODER, INFERENCE, COPIES, HF]
+ORDER = [LAYERS, HOOKS, BUFFERS, VIEWS, SIDE, PARAM, FUNCTION_GROUP, CHECKPOINTING, BREAKS,
+         USER_AUTOCAST, DOUBLE_BACKWARD, RETAIN_GRAPH, DATA, RECURRENT, ENCODER, INFERENCE, COPIES,
+         HF]
