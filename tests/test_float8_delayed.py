@@ -215,7 +215,8 @@ def test_two_gemms_split_by_a_graph_break_are_refused():
     fxamp.compile(model, opt_level="O1", float8=DELAYED, compiler="aot_eager")
     with pytest.raises(fxamp.ConfigError, match=r"two GEMMs would share the amax history "
                        r"'amax_root_matmul0': \S+:\d+ in forward: h = x @ self.w1 and .*"
-                       r"return h @ self.w2.*Remove the graph break"):
+                       r"return h @ self.w2.*a graph break between two GEMMs of module "
+                       r"'<root>'.*Remove the graph break"):
         model(torch.randn(32, 64))
     # refused at the first call, after the graph before the break ran: the model is put back
     # as it was, its histories (made and pushed by that graph) removed

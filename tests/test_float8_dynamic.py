@@ -179,3 +179,21 @@ def test_a_size_that_breaks_a_rule_recompiles_and_stays_named():
     assert [c.float8 for c in choices] == [True, True, False], choices
     assert "not all multiples of 16 (or data-dependent)" in choices[-1].reason
     assert not all(isinstance(d, int) for d in choices[1].shape)  # the dynamic graph
+
+
+@pytest.mark.slow  # Inductor compiles the static and the dynamic graph: minutes on 2 cores
+def test_inductor_runs_the_dynamic_float8_graph():
+    model = _linear()
+    fxamp.compile(model, opt_level="O1", float8="tensorwise",
+                  options={"emulate_precision_casts": True})
+    for x, y, g in _run(model, SHAPES, mark=False):
+        xb, wb = x.detach().reshape(-1, 64).bfloat16(), model.weight.detach().bfloat16()
+        out, gx, gw = _reference(xb, wb, g.reshape(-1, 64), "tensorwise")
+        _close(y.reshape(-1, 64), out, f"output at {tuple(x.shape)}")
+        _close(x.grad.reshape(-1, 64), gx, f"grad_input at {tuple(x.shape)}")
+        _close(model.weight.grad, gw, f"grad_weight at {tuple(x.shape)}")
+    compiled = fxamp.backend_of(model).compiled_graphs
+    assert [g.stats.float8_gemms for g in compiled] == [1, 1]
+    choice = next(n.meta["fxamp_float8"] for n in compiled[-1].graph_module.graph.nodes
+                  if "fxamp_float8" in n.meta)
+    assert not isinstance(choice.shape[0], int)  # M is symbolic in the second graph

@@ -21,8 +21,9 @@ among that module's GEMMs of that op in the graph; `role`: `input` or `weight`, 
 right operand; a GEMM done per batch entry adds `_b<B>`). So every graph that runs the GEMM
 reads and updates the same history: the no_grad graph of an eval pass traced before the
 training graph (Lightning's sanity check), a graph recompiled for new shapes (dynamic or not),
-a resumed process. Two GEMMs of one module split by a graph break would get the same name: the
-source line of each name is kept (`Float8History.claim`), and a second line is refused.
+a resumed process. Two GEMMs of one module that different graphs hold at the same rank (split
+by a graph break, or one under `if self.training:`) would get the same name: the source line
+of each name is kept (`Float8History.claim`), and a second line is refused.
 Until 2026-11-25 histories were named by trace order (`fxamp_float8_g0_...`): which graph was
 `g0` is not in the checkpoint (an eval pass traced first took the names), so such a state_dict
 is refused on load (`ConfigError`, nothing loaded), never mapped by guess.
@@ -105,10 +106,13 @@ class Float8History:
 
 def _shared_refusal(name: str, first: tuple, second: tuple) -> str:
     return (f"float8 delayed scaling: two GEMMs would share the amax history {name!r}: "
-            f"{first[1] or first[0]} and {second[1] or second[0]} (a graph break between two "
-            f"GEMMs of module {second[0][0]!r}, or module paths that differ only by '.' and "
-            "'_'). Remove the graph break (fxamp.explain lists them), add the module to "
-            "Float8Config(skip_modules=...), or use scaling='dynamic'")
+            f"{first[1] or first[0]} and {second[1] or second[0]}. Histories are named by "
+            "module, op and rank, and these two have the same in different graphs: a graph "
+            f"break between two GEMMs of module {second[0][0]!r}, a GEMM that only one graph "
+            "runs (under `if self.training:`), or module paths that differ only by '.' and "
+            "'_'. Remove the graph break (fxamp.explain lists them), move one GEMM into a "
+            "submodule of its own, add the module to Float8Config(skip_modules=...), or use "
+            "scaling='dynamic'")
 
 
 def _create_loaded(model: torch.nn.Module, state_dict, prefix, *args) -> None:
