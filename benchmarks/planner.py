@@ -10,7 +10,7 @@ sequence for target="h100", modeled at a training batch of `--batch-size` sequen
 prints the plan, the modeled GEMM time of a training step on an H100 for the plan, all-bf16
 and all-float8, and the planning time next to one cold `fxamp.compile` (O1, Inductor: the
 first forward and backward) of the same model on the same batch. The step times are modeled,
-not measured: tests/gpu/ is where a GPU checks them.
+not measured: tests/gpu/test_planner_roofline.py checks them on a GPU.
 """
 
 from __future__ import annotations

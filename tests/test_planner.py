@@ -234,3 +234,9 @@ def test_compile_refuses_a_plan_it_cannot_apply_before_changing_the_model():
     assert fxamp.backend_of(other) is None
     assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(),
                                                  outlier_mlp().state_dict().values()))
+
+
+def test_plan_reasons_are_checked_with_the_config():
+    with pytest.raises(ConfigError, match=r"plan_reasons=\(\('0', 1\),\) must be a tuple of "
+                                          r"\(module path, reason\) string pairs"):
+        fxamp.AmpConfig.from_opt_level("O1", plan_reasons=(("0", 1),))
