@@ -32,7 +32,8 @@ def collect(stages: list, command: str, started: float, ended: float) -> dict[st
         "stages": [dict(name=s.name, status=s.status, wall_s=round(s.wall_s, 1),
                         cap_s=round(s.cap_s, 1), parts=[
                             dict(name=p.name, status=p.status, wall_s=round(p.wall_s, 1),
-                                 log=p.name + ".log") for p in s.parts]) for s in stages],
+                                 log=p.name + ".log", last_lines=_last_lines(p))
+                            for p in s.parts]) for s in stages],
         "tests": _tests([p for p in parts if p.name.startswith("tests-")]),
         "optimizer": _load_json(optimizer.results) if optimizer else None,
         "e2e": {"environments": [r["environment"] for r in e2e if r],
@@ -42,6 +43,18 @@ def collect(stages: list, command: str, started: float, ended: float) -> dict[st
     }
     report["targets"] = targets(report)
     return report
+
+
+def _last_lines(part, n: int = 3) -> list[str]:
+    """A part that did not end "ok": the end of its log (why, without unpacking the archive)."""
+    if part.status in ("ok", "skipped", "not started") or not part.results:
+        return []
+    try:
+        with open(os.path.join(os.path.dirname(part.results), part.name + ".log")) as f:
+            lines = [line.rstrip()[:200] for line in f if line.strip() and "USDT" not in line]
+    except OSError:
+        return []
+    return lines[-n:]
 
 
 def _float8(files: list) -> dict:
@@ -179,6 +192,9 @@ def render(report: dict) -> str:
              "| stage | status | wall (s) | cap (s) |", "|---|---|---:|---:|"]
     lines += [f"| {s['name']} | {s['status']} | {s['wall_s']:.0f} | {s['cap_s']:.0f} |"
               for s in report["stages"]]
+    for part in (p for s in report["stages"] for p in s["parts"] if p["last_lines"]):
+        lines += ["", f"{part['name']} ({part['status']}), the end of {part['log']}:", "```",
+                  *part["last_lines"], "```"]
     lines += ["", *_tests_lines(report["tests"]), "", *_optimizer_lines(report["optimizer"]),
               "", *_e2e_lines(report), "", *_float8_lines(report["float8"]), "", "Targets:",
               "", "```", *report["targets"], "```"]

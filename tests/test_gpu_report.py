@@ -155,3 +155,15 @@ def test_the_cuda_autocast_lists_build_here():
     from torch.testing._internal import autocast_test_lists as lists
 
     assert len(cases(lists.AutocastTestLists(torch.device("cpu")))) > 100
+
+
+def test_a_failed_parts_last_log_lines_are_in_the_report(tmp_path):
+    from benchmarks import report_md
+
+    part = gpu_stages.Part("broken", [PY, "-c", "print('first'); raise SystemExit('the why')"],
+                           results=str(tmp_path / "broken.json"))
+    stage = gpu_stages.Stage("tests", [part], share=1.0)
+    gpu_stages.run([stage], str(tmp_path), budget_s=60.0, root=str(ROOT))
+    report = report_md.collect([stage], "cmd", time.time(), time.time())
+    assert report["stages"][0]["parts"][0]["last_lines"] == ["first", "the why"]
+    assert "broken (failed (exit 1)), the end of broken.log:" in report_md.render(report)
