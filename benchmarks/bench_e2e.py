@@ -58,12 +58,13 @@ import transformers
 
 import fxamp
 import fxamp.optim
-from benchmarks import compile_breakdown, gpu_lock
+from benchmarks import compile_breakdown, deadline, gpu_lock
 from benchmarks.e2e_tables import BASELINES, absolute_rows, breakdown_rows, plot, ratio_rows
 from benchmarks.workloads import SIZES, WORKLOADS, Workload, peak_flops
 
 RECIPES = ("eager", "compile", "fxamp-O1", "fxamp-O2")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TIMING_RESERVE_S = 15.0  # for the rounds of timing (and the wait for the GPU lock) after compiling
 
 
 @dataclasses.dataclass
@@ -236,9 +237,12 @@ def interleaved_medians(runners: list[Runner], batch, device, steps: int) -> dic
     """Median seconds per step, the recipes taking turns step by step (Note [Taking turns])."""
     times: dict[str, list[float]] = {r.recipe: [] for r in runners}
     for i in range(steps):
+        start = time.perf_counter()
         k = i % len(runners)
         for r in runners[k:] + runners[:k]:
             times[r.recipe].append(_timed(r.step, batch, device))
+        if i >= 2 and not deadline.enough_for(2 * (time.perf_counter() - start) + 1):
+            break  # a report's deadline: fewer rounds (at least 3), not none
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -272,14 +276,22 @@ def measure_model(name: str, work: Workload, device, dtype_name: str, args, *,
     """Prepare every recipe (compiling, with the device shared), then time them taking turns
     (with the device to this process: benchmarks/gpu_lock.py); `report` gets partial results.
     The `first` model also pays Inductor's once-per-process start-up beforehand."""
-    batch, runners = (work.inputs.to(device), work.targets.to(device)), []
+    batch, runners, slowest = (work.inputs.to(device), work.targets.to(device)), [], 0.0
     with gpu_lock.hold(args.lock, exclusive=False):
         if first:
             warm_up_compiler(device, args.compiler)
         for recipe in args.recipes:
+            # Under a report's deadline (benchmarks/deadline.py): time the recipes that are
+            # ready rather than none.
+            if runners and not deadline.enough_for(1.2 * slowest + TIMING_RESERVE_S):
+                print(f"  {name:<7}{recipe:<10} not prepared: the report's deadline is near",
+                      flush=True)
+                continue
+            start = time.perf_counter()
             runners.append(prepare(recipe, work.make_model, batch, DTYPES[dtype_name], device,
                                    warmup=args.warmup, cold=not args.warm,
                                    compiler=args.compiler))
+            slowest = max(slowest, time.perf_counter() - start)
             print(f"  {name:<7}{recipe:<10} first step {runners[-1].first_step_s:6.1f} s, peak "
                   f"{runners[-1].peak_bytes / 2**20:8.1f} MiB", flush=True)
             report([_measurement(name, dtype_name, r, work, None, None) for r in runners])

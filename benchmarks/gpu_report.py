@@ -1,173 +1,181 @@
-"""The GPU proof in one command: the CUDA tests, the optimizer benchmark at 1B parameters and the
-end-to-end benchmark, in about 9 minutes, written to one JSON and one markdown table.
+"""The GPU proof in one command: in priority order within one budget (8 minutes), the CUDA tests,
+the optimizer step at 1B parameters, GPT-2 124M end to end, float8 against torchao, ResNet-50,
+and the 1B Llama-style float8 model if time is left; one JSON, one markdown table, one archive.
 
-    python3 -m benchmarks.gpu_report --out DIR            # on a CUDA machine (H100/H200)
-    python3 -m benchmarks.gpu_report --out DIR --smoke    # the same code path on CPU, tiny
+    python3 -m benchmarks.gpu_report --out DIR --archive $OUT/gpu_report.tar.gz   # CUDA (H100)
+    python3 -m benchmarks.gpu_report --out DIR --smoke    # the same code paths on CPU, tiny
 
-Stages (each a subprocess with its own log, DIR/<stage>.log, and results file):
-  tests       python -m pytest -m gpu tests/gpu: torch's CUDA autocast lists, fused-step numerics
-              against fp32 AdamW, the step under set_sync_debug_mode("error"), kernels per step
-  optimizer   benchmarks.optimizer_step at 1B parameters in 128 tensors, O2 fp16 (fp32 masters)
-  e2e-M-D     benchmarks.bench_e2e for model M (GPT-2 124M at 1024 tokens, ResNet-50 at 224^2)
-              in dtype D (fp16, bf16): eager, torch.compile, fxamp O1 and O2, taking turns
-
-# Note [Compiling side by side, timing in turns]
-Twelve cold compiles of GPT-2 and ResNet-50 take longer than the 10 minutes a lent GPU machine
-gives one command, if run one after another; compiling is CPU work and the machine has 16
-cores. So every stage starts at once: the e2e processes compile and warm up holding a lock
-file shared (the tests hold it shared too), and each timing part (an e2e process's interleaved
-steps, the whole optimizer benchmark) holds it exclusively, so nothing else runs on the GPU
-while something is timed (benchmarks/gpu_lock.py). Compile times measured side by side are
-longer than alone; their ratios within one e2e process (same load, minutes apart) are the
-figure to read, and compile_breakdown's parts say where the time went.
-
-Each stage has a wall-clock cap, counted from the start of the report; a stage still running
-at its cap is killed and recorded as "over cap" with what it had written by then (the
-benchmarks rewrite their JSON as results come). Nothing needs the network or expecttest.
+Stages, in priority order (benchmarks/gpu_stages.py: Note [Shares of the time left]); the
+parts of a stage run side by side, each with its log DIR/<part>.log and its results file:
+  tests           pytest -m gpu: tests/gpu/test_cuda_optim.py (the fused step against fp32
+                  AdamW, the step under set_sync_debug_mode("error"), kernels per step) and
+                  tests/gpu/test_cuda_parity.py (torch's CUDA autocast lists)
+  optimizer       benchmarks.optimizer_step: 1B parameters in 128 tensors, O2 with a bf16 model:
+                  fxamp's default, low_memory, compensated and stochastic+int8 formats against
+                  fused AdamW + GradScaler, torch's eager O2 and torchao's AdamW8bit (where it
+                  imports), in groups that fit the memory (benchmarks/optimizer_groups.py)
+  e2e-gpt2        benchmarks.bench_e2e, GPT-2 124M at 1024 tokens x 8, bf16 and fp16 (one part
+                  each): eager autocast, torch.compile + autocast, fxamp O1 and O2; MFU
+  float8-gpt2     benchmarks.float8_gpu, GPT-2 124M: bf16, torchao float8, fxamp float8 and
+                  fxamp float8 delayed (one part per mode): tokens/s, peak memory, loss
+  e2e-resnet      benchmarks.bench_e2e, ResNet-50 (torchvision) at 224^2 x 64, bf16 and fp16
+  float8-llama1b  benchmarks.float8_gpu on the 1B Llama-style model, only if time is left
+After every stage it rewrites DIR/gpu_report.json and DIR/gpu_report.md and packs DIR into
+the archive, so a run stopped from outside keeps everything up to its last stage. Nothing needs
+the network or expecttest; torchao is used where it imports (docs/benchmarks.md: its wheel).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import os
-import signal
-import subprocess
+import shutil
 import sys
+import tarfile
 import time
 from typing import Optional
 
-from benchmarks import gpu_lock
+from benchmarks.gpu_stages import Part, Stage, run
 
-E2E_MODELS, E2E_DTYPES = ("gpt2", "resnet"), ("bf16", "fp16")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+# name: (share of the time left, least seconds worth starting it with: Note [Shares of the
+# time left]). In priority order.
+STAGES = {"tests": (0.15, 20), "optimizer": (0.2, 40), "e2e-gpt2": (0.3, 90),
+          "float8-gpt2": (0.2, 90), "e2e-resnet": (0.1, 60), "float8-llama1b": (0.05, 150)}
+FLOAT8_MODES = ("bf16", "torchao-f8", "fxamp-f8", "fxamp-f8-delay")
 
 
-@dataclasses.dataclass
-class Stage:
-    name: str
-    argv: list[str]
-    cap_s: float  # from the report's start
-    results: Optional[str] = None  # the JSON file the stage writes
-    shared_lock: bool = False  # the report holds the lock shared while the stage runs
-    env: dict = dataclasses.field(default_factory=dict)
-    status: str = "not started"
-    wall_s: float = 0.0
-
-
-def plan(out: str, smoke: bool, budget_s: float) -> list[Stage]:
-    """The stages and their caps; `smoke`: CPU, tiny sizes, no Inductor (fast and the same
-    code path)."""
-    lock, py = os.path.join(out, "gpu.lock"), [sys.executable, "-m"]
-    device = ["--device", "cpu"] if smoke else ["--device", "cuda"]
-    quick = ["--compiler", "aot_eager"] if smoke else []
-    tests = Stage("tests", py + ["pytest", "-m", "gpu", "tests/gpu", "-q", "-p",
-                                 "no:cacheprovider", f"--junitxml={out}/tests.xml"],
-                  cap_s=0.55 * budget_s, results=f"{out}/tests.xml", shared_lock=True)
-    sizes = (["--params", "2e5", "--tensors", "20", "--reps", "3", "--warmup", "2"] if smoke
-             else ["--params", "1e9", "--tensors", "128", "--reps", "20"])
-    optimizer = Stage("optimizer", py + ["benchmarks.optimizer_step", *device, *sizes, *quick,
-                                         "--modes", "O2", "--lock", lock,
-                                         "--json", f"{out}/optimizer.json"],
-                      cap_s=budget_s, results=f"{out}/optimizer.json")
-    stages = [tests, optimizer]
-    dtypes = E2E_DTYPES[:1] if smoke else E2E_DTYPES
-    threads = max(1, (os.cpu_count() or 1) // (len(dtypes) * len(E2E_MODELS)))
-    for dtype in dtypes:
-        for model in E2E_MODELS:
-            name = f"e2e-{model}-{dtype}"
-            steps = ["--size", "tiny", "--steps", "3", "--warmup", "1", "--recipes", "eager",
-                     "compile", "fxamp-O2"] if smoke else ["--size", "large", "--steps", "30"]
-            stages.append(Stage(name, py + ["benchmarks.bench_e2e", *device, *steps, *quick,
-                                            "--models", model, "--dtype", dtype,
-                                            "--lock", lock, "--json", f"{out}/{name}.json"],
-                                cap_s=budget_s, results=f"{out}/{name}.json",
-                                env={"TORCHINDUCTOR_COMPILE_THREADS": str(threads)}))
+def plan(out: str, smoke: bool, names: Optional[list[str]] = None) -> list[Stage]:
+    """The stages; `smoke`: CPU, tiny sizes, no Inductor, fewer parts (the same code paths)."""
+    parts = {"tests": _tests(out, smoke), "optimizer": [_optimizer(out, smoke)],
+             "e2e-gpt2": _e2e(out, smoke, "gpt2"),
+             "float8-gpt2": _float8(out, smoke, "gpt2",
+                                    [["bf16", "fxamp-f8"], ["torchao-f8", "fxamp-f8-delay"]]
+                                    if smoke else [[m] for m in FLOAT8_MODES]),
+             "e2e-resnet": _e2e(out, smoke, "resnet"),
+             "float8-llama1b": _float8(out, smoke, "llama1b",
+                                       [["fxamp-f8"]] if smoke else [list(FLOAT8_MODES)])}
+    cores = os.cpu_count() or 1
+    stages = []
+    for name, (share, min_s) in STAGES.items():
+        if names and name not in names:
+            continue
+        for part in parts[name]:  # Inductor's compile workers: the cores shared by the parts
+            part.env["TORCHINDUCTOR_COMPILE_THREADS"] = str(max(1, cores // len(parts[name])))
+        stages.append(Stage(name, parts[name], share, 0.0 if smoke else min_s))
     return stages
 
 
-def run(stages: list[Stage], out: str) -> None:
-    """Start every stage, wait for each to end or reach its cap (Note [Compiling side by side,
-    timing in turns])."""
-    start, procs = time.monotonic(), {}
-    with contextlib.ExitStack() as stack:
-        shared = stack.enter_context(contextlib.ExitStack())
-        # For the shared stages: taken before any stage can take the lock exclusively.
-        shared.enter_context(gpu_lock.hold(os.path.join(out, "gpu.lock"), exclusive=False))
-        stack.callback(_stop_all, stages, procs)
-        for stage in stages:
-            log = stack.enter_context(open(os.path.join(out, f"{stage.name}.log"), "w"))
-            procs[stage.name] = subprocess.Popen(
-                stage.argv, stdout=log, stderr=subprocess.STDOUT, env=_env(stage), cwd=ROOT,
-                start_new_session=True)
-            stage.status = "running"
-        while any(s.status == "running" for s in stages):
-            time.sleep(0.5)
-            for stage in (s for s in stages if s.status == "running"):
-                _poll(stage, procs[stage.name], time.monotonic() - start)
-            if not any(s.status == "running" for s in stages if s.shared_lock):
-                shared.close()
+def _module(name: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", name, *args]
 
 
-def _env(stage: Stage) -> dict:
-    # fxamp need not be installed: the stages import it, and the benchmarks, from here.
-    path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **stage.env}
+def _tests(out: str, smoke: bool) -> list[Part]:
+    files = ({"gpu": "tests/gpu"} if smoke else  # without CUDA both files only skip: one part
+             {"optim": "tests/gpu/test_cuda_optim.py", "autocast": "tests/gpu/test_cuda_parity.py"})
+    return [Part(f"tests-{name}", _module("pytest", "-m", "gpu", path, "-v", "-p",
+                                          "no:cacheprovider", f"--junitxml={out}/tests-{name}.xml"),
+                 f"{out}/tests-{name}.xml") for name, path in files.items()]
 
 
-def _stop_all(stages: list[Stage], procs: dict) -> None:
-    for stage in (s for s in stages if s.status == "running"):  # interrupted (Ctrl-C)
-        _kill(procs[stage.name])
-        stage.status = "interrupted"
+def _optimizer(out: str, smoke: bool) -> Part:
+    sizes = (["--device", "cpu", "--params", "2e5", "--tensors", "20", "--reps", "3",
+              "--warmup", "1", "--compiler", "aot_eager", "--memory-gib", "0.01"] if smoke
+             else ["--device", "cuda", "--params", "1e9", "--tensors", "128", "--reps", "20"])
+    return Part("optimizer", _module("benchmarks.optimizer_step", *sizes, "--modes", "O2",
+                                     "--dtype", "bfloat16", "--lock", f"{out}/gpu.lock",
+                                     "--json", f"{out}/optimizer.json"), f"{out}/optimizer.json")
 
 
-def _poll(stage: Stage, proc: subprocess.Popen, elapsed: float) -> None:
-    rc = proc.poll()
-    stage.wall_s = elapsed
-    if rc is not None:
-        stage.status = "ok" if rc == 0 else f"failed (exit {rc})"
-    elif elapsed > stage.cap_s:
-        _kill(proc)
-        stage.status = f"over cap ({stage.cap_s:.0f} s): killed, partial results kept"
+def _e2e(out: str, smoke: bool, model: str) -> list[Part]:
+    sizes = (["--device", "cpu", "--size", "tiny", "--steps", "3", "--warmup", "1",
+              "--recipes", "eager", "compile", "fxamp-O2", "--compiler", "aot_eager"] if smoke
+             else ["--device", "cuda", "--size", "large", "--steps", "30", "--warmup", "3"])
+    return [Part(f"e2e-{model}-{dtype}", _module(
+        "benchmarks.bench_e2e", *sizes, "--models", model, "--dtype", dtype, "--lock",
+        f"{out}/gpu.lock", "--json", f"{out}/e2e-{model}-{dtype}.json"),
+        f"{out}/e2e-{model}-{dtype}.json") for dtype in (("bf16",) if smoke else ("bf16", "fp16"))]
 
 
-def _kill(proc: subprocess.Popen) -> None:
-    try:  # the stage and its children (Inductor's compile workers)
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+def _float8(out: str, smoke: bool, model: str, mode_groups: list[list[str]]) -> list[Part]:
+    sizes = ["--smoke"] if smoke else (["--steps", "20", "--warmup", "5"] if model == "gpt2"
+                                       else ["--steps", "10", "--warmup", "3"])
+    parts = []
+    for modes in mode_groups:
+        name = f"float8-{model}-{'+'.join(modes)}" if len(mode_groups) > 1 else f"float8-{model}"
+        parts.append(Part(name, _module("benchmarks.float8_gpu", *sizes, "--models", model,
+                                        "--modes", *modes, "--lock", f"{out}/gpu.lock",
+                                        "--json", f"{out}/{name}.json"), f"{out}/{name}.json"))
+    return parts
+
+
+def write(stages: list[Stage], out: str, command: str, started: float,
+          archive: Optional[str]) -> dict:
+    """The report as it stands (JSON, markdown), and the archive of DIR."""
+    from benchmarks import report_md  # torch, transformers: not before the first stage starts
+
+    report = report_md.collect(stages, command, started, time.time())
+    with open(os.path.join(out, "gpu_report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    markdown = report_md.render(report)
+    with open(os.path.join(out, "gpu_report.md"), "w") as f:
+        f.write(markdown)
+    if archive:
+        pack(out, archive)
+        shutil.copyfile(os.path.join(out, "gpu_report.md"),
+                        os.path.join(os.path.dirname(archive), "gpu_report.md"))
+    return report
+
+
+def pack(out: str, archive: str) -> None:
+    """DIR as a .tar.gz, written whole and renamed (what a stopped run leaves is complete)."""
+    with tarfile.open(archive + ".tmp", "w:gz") as tar:
+        for name in sorted(os.listdir(out)):
+            if name != "gpu.lock" and not name.endswith(".tmp"):
+                tar.add(os.path.join(out, name), arcname=os.path.join("gpu_report", name))
+    os.replace(archive + ".tmp", archive)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="folder for the report, logs and results")
+    parser.add_argument("--archive", help="pack the folder into this .tar.gz after each stage "
+                                          "(and copy gpu_report.md beside it)")
     parser.add_argument("--smoke", action="store_true",
-                        help="CPU, tiny sizes, no Inductor: checks that the command works")
+                        help="CPU, tiny sizes, no Inductor: checks that every stage works")
     parser.add_argument("--budget", type=float,
-                        help="seconds for the whole report (default 540; smoke 100)")
+                        help="seconds for all stages (default 480; smoke 3000, a cap only)")
+    parser.add_argument("--stages", nargs="+", choices=list(STAGES), help="only these")
     args = parser.parse_args(argv)
-    args.out = os.path.abspath(args.out)  # the stages run in the repository
+    args.out = os.path.abspath(args.out)  # the parts run in the repository
     os.makedirs(args.out, exist_ok=True)
-    budget = args.budget or (100.0 if args.smoke else 540.0)
-    stages = plan(args.out, args.smoke, budget)
-    command = "python3 -m benchmarks.gpu_report " + " ".join(argv or sys.argv[1:])
-    print(f"{command}: {len(stages)} stages side by side, {budget:.0f} s budget; logs in "
+    if args.archive:
+        args.archive = os.path.abspath(args.archive)
+        os.makedirs(os.path.dirname(args.archive), exist_ok=True)
+    budget = args.budget or (3000.0 if args.smoke else 480.0)
+    stages = plan(args.out, args.smoke, args.stages)
+    command = "python3 -m benchmarks.gpu_report " + " ".join(sys.argv[1:] if argv is None
+                                                             else argv)
+    print(f"{command}: {len(stages)} stages in turn, {budget:.0f} s budget; logs in "
           f"{args.out}/", flush=True)
     started = time.time()
-    run(stages, args.out)
-    from benchmarks import report_md  # torch, transformers, fxamp: not before the stages start
 
-    report = report_md.collect(stages, command, started, time.time())
-    with open(os.path.join(args.out, "gpu_report.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    markdown = report_md.render(report)
-    with open(os.path.join(args.out, "gpu_report.md"), "w") as f:
-        f.write(markdown)
-    print(markdown)
+    def after_stage(stages: list[Stage]) -> None:
+        done = [s for s in stages if s.status != "not started"][-1]
+        print(f"[{time.time() - started:5.0f} s] {done.name}: {done.status}", flush=True)
+        write(stages, args.out, command, started, args.archive)
+    try:
+        run(stages, args.out, budget, root=ROOT, after_stage=after_stage)
+    finally:  # interrupted too: what was measured is written
+        report = write(stages, args.out, command, started, args.archive)
+        print(report_md_text(args.out))
     return report
+
+
+def report_md_text(out: str) -> str:
+    with open(os.path.join(out, "gpu_report.md")) as f:
+        return f.read()
 
 
 if __name__ == "__main__":

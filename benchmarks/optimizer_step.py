@@ -32,8 +32,9 @@ This VM's copy bandwidth moves between 38 and 88 GB/s from minute to minute, so 
 one after another compared different machines (three quiet runs gave fxamp 1.00x, 1.88x and
 1.94x torch's eager O2 path). Every method of a mode is built first and then they take turns,
 one step each per round, starting each round one method further on; a ratio is taken within a
-round, so a slow second slows both sides of it. All methods of a mode are alive together:
-memory is their sum. Timings on a shared or busy machine are still meaningless: the header
+round, so a slow second slows both sides of it. Methods that do not fit in memory together
+take turns in groups, fxamp's default step in each (Note [Groups that fit] in
+benchmarks/optimizer_groups.py). Timings on a shared or busy machine are still meaningless: the header
 prints the load average; run it alone.
 """
 
@@ -44,22 +45,16 @@ import datetime
 import os
 import json
 import math
-import statistics
-import time
 from typing import Callable
 
-
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import fxamp.optim as fo
-from benchmarks import gpu_lock
+from benchmarks import gpu_lock, optimizer_groups
+from benchmarks.step_timing import (  # noqa: F401 (the tests import them from here)
+    count_kernels, interleaved, ratio_stats, storage_bytes, time_step)
 
 REQUIRED_BYTES = 28  # per parameter; see the docstring
-NO_KERNEL = {"aten::empty", "aten::empty_strided", "aten::view", "aten::slice", "aten::select",
-             "aten::as_strided", "aten::detach", "aten::alias", "aten::lift_fresh",
-             "aten::resolve_conj", "aten::resolve_neg", "aten::_local_scalar_dense",
-             "aten::item", "aten::t", "aten::unsqueeze", "aten::reshape", "aten::expand"}
 
 
 def shapes(n_params: int, n_tensors: int) -> list[tuple[int, ...]]:
@@ -108,15 +103,6 @@ def _kept(*holders) -> Callable[[], list]:
                 out += list(h)
         return out
     return tensors
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one flat buffer count once)."""
-    seen = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
 
 
 def build_fxamp(shape_list, device, dtype, clip=False, compile=True, state_format=None):
@@ -235,59 +221,6 @@ def build_copy(n: int, device):
     return lambda: dst.copy_(src)
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _timed(step: Callable, device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    step()
-    _sync(device)
-    return time.perf_counter() - start
-
-
-def time_step(step: Callable, device, warmup: int, reps: int) -> float:
-    """Median seconds per call after warm-up (the first call compiles where it compiles)."""
-    for _ in range(warmup):
-        step()
-    return statistics.median(_timed(step, device) for _ in range(reps))
-
-
-def interleaved(steps: dict[str, Callable], device, warmup: int, reps: int) -> dict[str, list]:
-    """Seconds per step of every method, taking turns round by round (Note [Taking turns])."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    names, times = list(steps), {name: [] for name in steps}
-    for i in range(reps):
-        k = i % len(names)
-        for name in names[k:] + names[:k]:
-            times[name].append(_timed(steps[name], device))
-    return times
-
-
-def ratio_stats(times: list[float], ours: list[float]) -> tuple[float, float, float]:
-    """Median, lowest and highest of the per-round ratios time / fxamp's time."""
-    ratios = sorted(t / o for t, o in zip(times, ours))
-    return statistics.median(ratios), ratios[0], ratios[-1]
-
-
-def count_kernels(step: Callable, device) -> int:
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
-                                           else [])
-    with profile(activities=activities) as prof:
-        step()
-        _sync(device)
-    events = prof.events()
-    if device.type == "cuda":
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    parents = {id(e.cpu_parent) for e in events if e.cpu_parent is not None}
-    return sum(1 for e in events if id(e) not in parents and (
-        "cpp_fused" in e.name or (e.name.startswith("aten::") and e.name not in NO_KERNEL)))
-
-
 PEERS: dict[str, str] = {}  # filled by main(): peer_status()
 # The StateFormats (docs/optimizer_memory.md) timed beside fp32 masters in O2.
 LOW_MEMORY_FORMATS = {"low_memory": "low_memory", "compensated": "compensated",
@@ -304,44 +237,47 @@ def methods(mode: str, device, low: torch.dtype, compile: bool = True):
                 "fused+GS": lambda s: build_torch(s, device, fused=True),
                 "compiled": lambda s: build_torch_compiled(s, device),
                 "eager O2": lambda s: build_torch_o2(s, device, low)}
+    # In priority order (Note [Groups that fit] in benchmarks/optimizer_groups.py): the targets'
+    # baselines, the 16-bit state formats and their peer, then the rest.
     rows = {"fxamp": lambda s: build_fxamp(s, device, low, compile=compile),
-            "fxamp+clip": lambda s: build_fxamp(s, device, low, clip=True, compile=compile),
-            "fused+GS": lambda s: build_torch(s, device, fused=True),
-            "eager O2": lambda s: build_torch_o2(s, device, low)}
-    for name, (row, build) in PEER_ROWS.items():
-        if PEERS.get(name) == "runs":
-            rows[row] = lambda s, build=build: build(s, device, low)
+            "eager O2": lambda s: build_torch_o2(s, device, low),
+            "fused+GS": lambda s: build_torch(s, device, fused=True)}
     if low == torch.bfloat16:  # the 16-bit master formats need a bf16 model
         for name, fmt in LOW_MEMORY_FORMATS.items():
             rows[f"fxamp {name}"] = lambda s, fmt=fmt: build_fxamp(s, device, low,
                                                                   compile=compile,
                                                                   state_format=fmt)
+    for name, (row, build) in PEER_ROWS.items():
+        if PEERS.get(name) == "runs":
+            rows[row] = lambda s, build=build: build(s, device, low)
+    rows["fxamp+clip"] = lambda s: build_fxamp(s, device, low, clip=True, compile=compile)
     return rows
 
 
-def run_size(n_params: int, args, device, low) -> dict:
+def run_size(n_params: int, args, device, low, save) -> dict:
+    """One size's rows, mode by mode, in groups that fit the memory budget; `save` gets the
+    partial results after each group."""
     shape_list = shapes(n_params, args.tensors)
     n = sum(math.prod(s) for s in shape_list)
+    results = {"n": n, "tensors": len(shape_list), "rows": {}, "skipped": {}}
     copy = build_copy(n, device)
-    results = {"n": n, "tensors": len(shape_list), "rows": {}}
     copy_s = time_step(copy, device, args.warmup, args.reps)
+    del copy  # its 8 bytes per element are the methods' while they run
+    results["copy_gbs"] = 8 * n / copy_s / 1e9
+    budget = _memory_budget(args, device)
     for mode in args.modes:
-        built = {name: build(shape_list) for name, build in
-                 methods(mode, device, low, args.compiler == "inductor").items()
-                 if name not in args.skip}
-        times = interleaved({k: b.step for k, b in built.items()}, device, args.warmup,
-                            args.reps)
-        ours = times.get("fxamp")
-        results["rows"][mode] = {name: {
-            "s": statistics.median(times[name]),
-            "ratio": ratio_stats(times[name], ours) if ours else (math.nan,) * 3,
-            "bytes_per_param": storage_bytes(b.tensors()) / n,
-            "kernels": count_kernels(b.step, device)} for name, b in built.items()}
-        del built
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        builders = {name: build for name, build in
+                    methods(mode, device, low, args.compiler == "inductor").items()
+                    if name not in args.skip}
+
+        def partial(rows, skipped, mode=mode):
+            results["rows"][mode], results["skipped"][mode] = rows, skipped
+            save(results)
+        optimizer_groups.time_mode(builders, shape_list, n, device, args, budget_bytes=budget,
+                                   save=partial)
     # The roofline is the faster of a copy before and after the methods, so a disturbed copy
     # cannot flatter them.
+    copy = build_copy(n, device)
     copy_s = min(copy_s, time_step(copy, device, args.warmup, args.reps))
     results["copy_gbs"] = 8 * n / copy_s / 1e9
     # For reading the roofline, not for the targets: a copy that moves as many bytes as the
@@ -353,11 +289,23 @@ def run_size(n_params: int, args, device, low) -> dict:
     return results
 
 
+def _memory_budget(args, device) -> float:
+    """Bytes the ready methods of a group may hold (Note [Groups that fit]): --memory-gib, else
+    on CUDA 3/4 of the device (the rest for the steps' temporaries and the allocator's
+    slack), else no limit."""
+    if args.memory_gib:
+        return args.memory_gib * 2**30
+    if device.type == "cuda":
+        return 0.75 * torch.cuda.get_device_properties(device).total_memory
+    return math.inf
+
+
 def report(results: dict, low: torch.dtype) -> list[str]:
     n, copy_gbs = results["n"], results["copy_gbs"]
+    wide = results.get("wide_copy_gbs")
+    wide = f"{wide:.1f} GB/s" if wide else "not measured"
     lines = [f"\n{n / 1e6:.1f}M params in {results['tensors']} tensors; copy {copy_gbs:.1f} GB/s "
-             f"(8 bytes/element; a copy moving the step's {REQUIRED_BYTES} B/param: "
-             f"{results['wide_copy_gbs']:.1f} GB/s)",
+             f"(8 bytes/element; a copy moving the step's {REQUIRED_BYTES} B/param: {wide})",
              "| mode | method | bytes/param | ms/step | GB/s @28 B | % of copy | kernels | "
              "time / fxamp's: median [min, max] over rounds |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -369,6 +317,8 @@ def report(results: dict, low: torch.dtype) -> list[str]:
             lines.append(f"| {label} | {name} | {row['bytes_per_param']:.2f} | "
                          f"{row['s'] * 1e3:.2f} | {gbs:.1f} | {100 * gbs / copy_gbs:.0f}% | "
                          f"{row['kernels']} | {med:.2f}x [{lo:.2f}, {hi:.2f}] |")
+        lines += [f"| {label} | {name} | skipped: {why} | | | | | |"
+                  for name, why in results.get("skipped", {}).get(mode, {}).items()]
     return lines
 
 
@@ -414,7 +364,10 @@ def main(argv=None) -> None:
                         help="aot_eager: fxamp's step uncompiled (a smoke test of this script)")
     parser.add_argument("--lock", help="a lock file shared with other benchmark processes on "
                                        "this GPU, held exclusively (benchmarks/gpu_lock.py)")
-    parser.add_argument("--json", help="save each size's results here as they come")
+    parser.add_argument("--memory-gib", type=float,
+                        help="what a group of methods may hold (Note [Groups that fit] in "
+                             "benchmarks/optimizer_groups.py; default 3/4 of a CUDA device)")
+    parser.add_argument("--json", help="save the results here as they come")
     args = parser.parse_args(argv)
     args.modes = args.modes.split(",")
     args.skip = set(filter(None, args.skip.split(",")))
@@ -430,16 +383,20 @@ def main(argv=None) -> None:
     print(header)
     print("peers: " + "; ".join(f"{k} {v}" for k, v in PEERS.items()))
     done = []
+
+    def save(results: dict) -> None:
+        results["targets"] = check_targets(results, device)
+        if args.json:  # written whole and renamed: a killed run leaves its last complete file
+            with open(args.json + ".tmp", "w") as f:
+                json.dump({"environment": header, "dtype": str(low).split(".")[1],
+                           "sizes": done + [results]}, f, indent=1)
+            os.replace(args.json + ".tmp", args.json)
     with gpu_lock.hold(args.lock, exclusive=True):
         for n_params in (int(float(p)) for p in args.params.split(",")):
-            results = run_size(n_params, args, device, low)
-            results["targets"] = check_targets(results, device)
+            results = run_size(n_params, args, device, low, save)
+            save(results)
             print("\n".join(report(results, low) + results["targets"]), flush=True)
             done.append(results)
-            if args.json:
-                with open(args.json, "w") as f:
-                    json.dump({"environment": header, "dtype": str(low).split(".")[1],
-                               "sizes": done}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -7,17 +7,21 @@ import datetime
 import importlib.metadata
 import json
 import os
+import re
+import subprocess
 import xml.etree.ElementTree as ET
 from typing import Any, Optional
 
-from benchmarks import bench_e2e, optimizer_step
+from benchmarks import bench_e2e, float8_gpu, optimizer_step
 
-PACKAGES = ("torch", "triton", "transformers", "torchvision", "timm", "pytest", "hypothesis")
+PACKAGES = ("torch", "triton", "transformers", "torchvision", "timm", "torchao", "pytest",
+            "hypothesis")
 
 
 def collect(stages: list, command: str, started: float, ended: float) -> dict[str, Any]:
-    by = {s.name: s for s in stages}
-    e2e = [_load_json(s.results) for s in stages if s.name.startswith("e2e-")]
+    parts = [p for s in stages for p in s.parts]
+    e2e = [_load_json(p.results) for p in parts if p.name.startswith("e2e-")]
+    optimizer = next((p for p in parts if p.name == "optimizer"), None)
     report = {
         "command": command,
         "date": datetime.datetime.fromtimestamp(started, datetime.timezone.utc).isoformat(
@@ -26,17 +30,52 @@ def collect(stages: list, command: str, started: float, ended: float) -> dict[st
         "device": _device(),
         "versions": {name: _version(name) for name in PACKAGES},
         "stages": [dict(name=s.name, status=s.status, wall_s=round(s.wall_s, 1),
-                        cap_s=s.cap_s, log=os.path.basename(s.name) + ".log") for s in stages],
-        "tests": _junit(by["tests"].results),
-        "optimizer": _load_json(by["optimizer"].results),
+                        cap_s=round(s.cap_s, 1), parts=[
+                            dict(name=p.name, status=p.status, wall_s=round(p.wall_s, 1),
+                                 log=p.name + ".log", last_lines=_last_lines(p))
+                            for p in s.parts]) for s in stages],
+        "tests": _tests([p for p in parts if p.name.startswith("tests-")]),
+        "optimizer": _load_json(optimizer.results) if optimizer else None,
         "e2e": {"environments": [r["environment"] for r in e2e if r],
                 "results": [m for r in e2e if r for m in r["results"]]},
+        "float8": _float8([_load_json(p.results) for p in parts
+                           if p.name.startswith("float8-")]),
     }
     report["targets"] = targets(report)
     return report
 
 
+def _last_lines(part, n: int = 3) -> list[str]:
+    """A part that did not end "ok": the end of its log (why, without unpacking the archive)."""
+    if part.status in ("ok", "skipped", "not started") or not part.results:
+        return []
+    try:
+        with open(os.path.join(os.path.dirname(part.results), part.name + ".log")) as f:
+            lines = [line.rstrip()[:200] for line in f if line.strip() and "USDT" not in line]
+    except OSError:
+        return []
+    return lines[-n:]
+
+
+def _float8(files: list) -> dict:
+    """The float8 parts' results merged: {model: {mode: result}}."""
+    merged: dict = {}
+    for f in (f for f in files if f):
+        for model, modes in f["results"].items():
+            merged.setdefault(model, {}).update(modes)
+    return merged
+
+
 def _device() -> str:
+    """The GPU's name from nvidia-smi (this process never touches CUDA: the stages have the
+    device to themselves), else torch's, else a smoke run's CPU."""
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30).stdout.split("\n")
+        if names[0].strip():
+            return names[0].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
     import torch
 
     if torch.cuda.is_available():
@@ -59,6 +98,22 @@ def _load_json(path: Optional[str]) -> Optional[dict]:
         return None
 
 
+def _tests(parts: list) -> Optional[dict]:
+    """The test parts' counts and failures, from their junit XML, else (a part killed before
+    pytest wrote it) from the verbose log."""
+    counts, failures, found = {"passed": 0, "failed": 0, "skipped": 0}, [], False
+    for part in parts:
+        one = _junit(part.results) or _verbose_log(os.path.join(
+            os.path.dirname(part.results), part.name + ".log"))
+        if one is None:
+            continue
+        found = True
+        for key in counts:
+            counts[key] += one[key]
+        failures += one["failures"]
+    return {**counts, "failures": failures} if found else None
+
+
 def _junit(path: str) -> Optional[dict]:
     try:
         root = ET.parse(path).getroot()
@@ -75,6 +130,24 @@ def _junit(path: str) -> Optional[dict]:
     return {**counts, "failures": failures}
 
 
+VERBOSE_LINE = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED)")
+
+
+def _verbose_log(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    counts, failures = {"passed": 0, "failed": 0, "skipped": 0}, []
+    for match in filter(None, map(VERBOSE_LINE.match, lines)):
+        outcome = {"ERROR": "failed"}.get(match[2], match[2].lower())
+        counts[outcome] += 1
+        if outcome == "failed":
+            failures.append(f"{match[1]}: (the part was stopped before its summary)")
+    return {**counts, "failures": failures}
+
+
 def _measurements(report: dict) -> list:
     return [bench_e2e.Measurement(**m) for m in report["e2e"]["results"]]
 
@@ -82,7 +155,9 @@ def _measurements(report: dict) -> list:
 def targets(report: dict) -> list[str]:
     """PASS/FAIL per target of the issue that this run measured (and the optimizer's, which
     optimizer_step checked itself)."""
-    lines = [t for size in (report["optimizer"] or {}).get("sizes", []) for t in size["targets"]]
+    lines = [t for size in (report["optimizer"] or {}).get("sizes", [])
+             for t in size.get("targets", [])]
+    lines += float8_gpu.targets(report["float8"])
     by = {(m.model, m.dtype, m.recipe): m for m in _measurements(report) if m.step_ms}
     for (model, dtype, recipe), m in sorted(by.items()):
         base = by.get((model, dtype, "compile"))
@@ -117,8 +192,12 @@ def render(report: dict) -> str:
              "| stage | status | wall (s) | cap (s) |", "|---|---|---:|---:|"]
     lines += [f"| {s['name']} | {s['status']} | {s['wall_s']:.0f} | {s['cap_s']:.0f} |"
               for s in report["stages"]]
+    for part in (p for s in report["stages"] for p in s["parts"] if p["last_lines"]):
+        lines += ["", f"{part['name']} ({part['status']}), the end of {part['log']}:", "```",
+                  *part["last_lines"], "```"]
     lines += ["", *_tests_lines(report["tests"]), "", *_optimizer_lines(report["optimizer"]),
-              "", *_e2e_lines(report), "", "Targets:", "", "```", *report["targets"], "```"]
+              "", *_e2e_lines(report), "", *_float8_lines(report["float8"]), "", "Targets:",
+              "", "```", *report["targets"], "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -138,6 +217,24 @@ def _optimizer_lines(results: Optional[dict]) -> list[str]:
     low = getattr(torch, results["dtype"])
     return [f"Optimizer step ({results['environment'].lstrip('# ')}):"] + [
         line for size in results["sizes"] for line in optimizer_step.report(size, low)]
+
+
+def _float8_lines(results: dict) -> list[str]:
+    if not results:
+        return ["Float8: no results (see the float8-*.log files)."]
+    lines = ["Float8 (O2-style bf16 weights, torch.optim.AdamW; tensorwise):", "",
+             "| model | mode | tokens/s | steps | peak (GiB) | final loss |",
+             "|---|---|---:|---:|---:|---:|"]
+    for model, modes in results.items():
+        for mode, r in modes.items():
+            if "seconds" not in r:
+                lines.append(f"| {model} | {mode} | {r.get('skipped', '?')} | | | |")
+                continue
+            peak = "-" if r["peak_gib"] is None else f"{r['peak_gib']:.2f}"
+            tps = r["steps"] * r["tokens_per_step"] / r["seconds"]
+            lines.append(f"| {model} | {mode} | {tps:.0f} | {r['steps']} | {peak} | "
+                         f"{r['final_loss']:.4f} |")
+    return lines
 
 
 def _e2e_lines(report: dict) -> list[str]:

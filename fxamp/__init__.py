@@ -9,7 +9,10 @@ from fxamp.policy import CastPolicy
 from fxamp.explain import Explanation, explain
 from fxamp.debug import SkipMonitor, locate_overflow, range_stats
 from fxamp import distributed, optim
-from fxamp.optim import LossScaler, initialize, master_params, scale_loss
+from fxamp.optim import (LossScaler, initialize, load_state_dict, master_params, scale_loss,
+                         state_dict)
+from fxamp.planner import PrecisionPlan, Target
+from fxamp.planner.choose import plan
 
 __all__ = [
     "AmpConfig",
@@ -35,5 +38,10 @@ __all__ = [
     "initialize",
     "scale_loss",
     "master_params",
+    "state_dict",
+    "load_state_dict",
+    "plan",
+    "PrecisionPlan",
+    "Target",
 ]
 __version__ = "0.1.0"

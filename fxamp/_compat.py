@@ -34,14 +34,15 @@ __all__ = [
     "TORCH_VERSION", "pytree", "dynamo_counters", "make_boxed_func", "detect_fake_mode",
     "OpOverload", "FakeTensor", "FakeTensorMode", "make_fx", "TorchDispatchMode",
     "BackendCompilerFailed", "Unsupported", "UserError", "compile_fx", "list_mode_options",
-    "inductor_config_keys", "aot_eager", "aot_autograd",
+    "inductor_config_keys", "aot_eager", "aot_autograd", "without_donated_buffers",
     "compile_fresh", "ENTER_AUTOCAST", "EXIT_AUTOCAST", "NORM_MODULE_TYPES", "call_impl",
     "set_compiled_call", "COMPILED_CALL_ATTR", "own_tensors", "rename_node", "SEQ_NR",
     "FWD_NN_MODULE_STACK", "PARTITIONER_TAG", "EXAMPLE_VALUE", "from_node_names",
     "active_ddp_module", "ddp_bucket_dtypes", "functional_all_reduce", "foreach_add_",
-    "foreach_copy_", "unscale_and_check_", "HigherOrderOperator", "SET_GRAD_ENABLED", "make_fx_tracer",
+    "foreach_copy_", "unscale_and_check_", "HigherOrderOperator", "SET_GRAD_ENABLED",
+    "GET_DATA_ATTR", "make_fx_tracer",
     "retrace_subgraph", "emit_call", "dynamo_traces_rnns", "compile_time_metrics", "compile_cache_counters",
-    "scaled_mm", "scaled_mm_refusal",
+    "scaled_mm", "scaled_mm_refusal", "size_rule_holds",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
@@ -118,6 +119,32 @@ def aot_autograd(**kwargs: Any) -> Callable:
     from torch._dynamo.backends.common import aot_autograd as dynamo_aot_autograd
 
     return dynamo_aot_autograd(**kwargs)
+
+
+def without_donated_buffers(compile_fn: Callable, gm: fx.GraphModule,
+                            example_inputs: Any) -> Callable:
+    """`compile_fn(gm, example_inputs)` with AOTAutograd's donated buffers off for this graph,
+    so that its backward may run more than once (`retain_graph=True`, `create_graph=True`).
+
+    `torch._functorch.config.donated_buffer` is read twice: when the graph is partitioned
+    (saved activations that alias no input or output are marked donated, and Inductor's
+    backward may overwrite them) and again when the backward runs (a backward that keeps its
+    graph is refused if any are marked). Patching the flag for the compile alone leaves the
+    marks unset (None), which the runtime check reads as "marked"; so the metadata this compile
+    left on the tracing context is given an explicit empty list as well. On an AOTAutograd cache
+    hit the context holds no metadata: the cached entry was saved with the empty list. Checked on
+    2.13.0 (aot_eager and Inductor, cold and warm cache).
+    """
+    import torch._functorch.config as functorch_config
+    from torch._guards import TracingContext
+
+    with functorch_config.patch(donated_buffer=False):
+        compiled = compile_fn(gm, example_inputs)
+    context = TracingContext.try_get()
+    metadata = None if context is None else context.fw_metadata
+    if metadata is not None:
+        metadata.bw_donated_idxs = []
+    return compiled
 
 
 def compile_fresh(fn: Callable, **compile_kwargs: Any) -> Callable:
@@ -261,6 +288,21 @@ unscale_and_check_ = torch._amp_foreach_non_finite_check_and_unscale_
 from torch._ops import HigherOrderOperator  # noqa: E402
 
 SET_GRAD_ENABLED = torch._C._set_grad_enabled
+# What Dynamo records for `tensor.data` (a detached alias). Pre-dispatch make_fx does not track
+# its result (it would bake the traced value into the graph as a constant), while the
+# dispatch-level trace AOTAutograd runs records it as `aten.detach`. Checked on 2.13.0.
+GET_DATA_ATTR = torch._C._autograd._get_data_attr
+
+
+def storage_key(tensor: torch.Tensor) -> Any:
+    """A hashable key equal for tensors that share storage (fake tensors included); None for
+    tensors without a dense storage of their own (sparse, DTensor and other subclasses)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if tensor.layout != torch.strided or is_traceable_wrapper_subclass(tensor):
+        return None
+    return StorageWeakRef(tensor.untyped_storage())
 
 
 def make_fx_tracer() -> Any:
@@ -291,6 +333,31 @@ def emit_call(target: Callable, args: tuple, kwargs: dict, outputs: Any) -> Any:
     proxy_args, proxy_kwargs = pytree.tree_map(tracer.unwrap_proxy, (args, kwargs))
     proxy = tracer.create_proxy("call_function", target, proxy_args, proxy_kwargs)
     return track_tensor_tree(outputs, proxy, constant=None, tracer=tracer)
+
+
+def traced_record(tensor: torch.Tensor) -> Any:
+    """What the make_fx session in progress records for `tensor` (its proxy), or None."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_slot
+
+    return get_proxy_slot(tensor, make_fx_tracer(), None)
+
+
+def record_node(record: Any) -> fx.Node:
+    return record.proxy.node
+
+
+def split_returned_input(tensor: torch.Tensor, before: Any) -> torch.Tensor:
+    """`tensor`, returned by an op that took it, now records the op's node: bind that record
+    to a new alias of `tensor` (made without a node) and return it; `tensor` gets `before`
+    back (Note [One value per Dynamo node] in fxamp/passes/capture.py)."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, set_proxy_slot
+
+    tracer = make_fx_tracer()
+    with disable_proxy_modes_tracing():
+        alias = torch.ops.aten.alias.default(tensor)
+    set_proxy_slot(alias, tracer, traced_record(tensor))
+    set_proxy_slot(tensor, tracer, before)
+    return alias
 
 
 # ------------------------------------------------------------------ compile-time accounting
@@ -354,3 +421,13 @@ def scaled_mm_refusal(device_type: str, rowwise: bool, out_dtype: torch.dtype) -
     except (RuntimeError, NotImplementedError, TypeError, AssertionError) as e:
         return str(e).strip().splitlines()[0][:300]
     return None
+
+
+def size_rule_holds(cond: Any) -> bool:
+    """`cond`, a bool or a SymBool about sizes (`m % 16 == 0`), as a bool. A symbolic one is
+    decided from the sizes being traced and guarded on, so a later size that decides it the
+    other way recompiles; one about data-dependent (unbacked) sizes does not hold.
+    `torch.fx.experimental.symbolic_shapes.guard_or_false`, checked on 2.13.0."""
+    from torch.fx.experimental.symbolic_shapes import guard_or_false
+
+    return guard_or_false(cond)

@@ -13,7 +13,7 @@ from fxamp._compat import inductor_config_keys, list_mode_options
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 
-__all__ = ["entry_config", "check_compiler", "check_compile_flags", "COMPILERS"]
+__all__ = ["entry_config", "check_compiler", "check_compile_flags", "compiler_name", "COMPILERS"]
 
 COMPILERS = ("inductor", "aot_eager", "eager")
 
@@ -46,14 +46,15 @@ def check_compiler(compiler: Any, mode: Any, options: Any) -> None:
                           "callable")
     if compiler != "inductor" and (mode is not None or options):
         raise ConfigError(f"mode={mode!r} / options={options!r} configure Inductor, but "
-                          f"compiler={_name(compiler)}; drop them or use compiler='inductor'")
+                          f"compiler={compiler_name(compiler)}; drop them or use compiler='inductor'")
     if mode is not None:
         _check_mode(mode)
     if options is not None:
         _check_options(options)
 
 
-def _name(compiler: Any) -> str:
+def compiler_name(compiler: Any) -> str:
+    """How a compiler is named in messages: its string, or a callable's name."""
     return repr(compiler) if isinstance(compiler, str) else getattr(compiler, "__name__",
                                                                     type(compiler).__name__)
 

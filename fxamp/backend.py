@@ -11,10 +11,11 @@ import torch
 import torch.fx as fx
 
 from fxamp import _compat
-from fxamp.arguments import check_compiler
+from fxamp.arguments import check_compiler, compiler_name
 from fxamp.compiled_call import check_storage
 from fxamp.config import AmpConfig
 from fxamp.distributed import check_ddp_order
+from fxamp.double_backward import eager_autograd, first_order_only
 from fxamp.eager_regions import without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
@@ -55,8 +56,10 @@ def _inner_compiler(compiler: Compiler, mode: Optional[str], options: Optional[d
     if compiler == "inductor":
         patches = {**(_compat.list_mode_options(mode) if mode else {}), **(options or {})}
         return lambda gm, inputs: _compat.compile_fx(gm, inputs, config_patches=patches or None)
-    if compiler in ("aot_eager", "eager"):
+    if compiler == "aot_eager":
         return _compat.aot_eager
+    if compiler == "eager":  # Note [Double backward runs the cast graph eagerly]
+        return eager_autograd
     raise ConfigError(f"compiler={compiler!r} is not one of 'inductor', 'aot_eager' or a callable")
 
 
@@ -124,6 +127,7 @@ class FxampBackend:
         config = self.config
         if not config.is_resolved:
             config = config.resolve(config.device_type or _device_type(example_inputs))
+        grad_enabled = torch.is_grad_enabled()  # the caller's: Dynamo guards on it
         check_float8_support(config.float8, config.device_type, config.dtype)
         _check_active_ddp()
         if self.model is not None:
@@ -140,11 +144,30 @@ class FxampBackend:
             aten_gm = to_aten(gm, fake_inputs(gm, example_inputs, fake_mode), fake_mode)
             traced = time.perf_counter()
             stats = run_passes(aten_gm, config, fake_mode,
-                               float8_history=self._float8_history(config))
+                               float8_history=self._float8_history(config),
+                               grad_enabled=grad_enabled)
             self.compiled_graphs.append(CompiledGraph(aten_gm, stats, config, traced - start,
                                                       time.perf_counter() - traced))
             log.info("fxamp %s: graph %d, %s", config.opt_level, len(self.compiled_graphs), stats)
-            return without_autocast(self._inner(aten_gm, example_inputs), config.device_type)
+            return without_autocast(self._compile(aten_gm, example_inputs), config.device_type)
+
+    def _compile(self, aten_gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        if self.compile_args["compiler"] == "eager":
+            return self._inner(aten_gm, example_inputs)
+        # Note [Graphs whose backward runs twice]
+        compiled = _compat.without_donated_buffers(self._inner, aten_gm, example_inputs)
+        return first_order_only(compiled, compiler_name(self.compile_args["compiler"]))
+
+
+# Note [Graphs whose backward runs twice]: AOTAutograd marks a saved activation that aliases no
+# graph input or output as donated (Inductor's backward may reuse its memory), and a graph with
+# such marks refuses a backward that keeps the graph: `backward(retain_graph=True)` and a second
+# backward over one forward (several losses sharing it) fail once the graph's backward was
+# first compiled by an ordinary backward. Plain torch.compile rarely meets this on small models
+# (a Linear saves its input and weight, which are graph inputs), but fxamp's casts make the
+# saved tensors new values (the 16-bit copies of input and weight), so almost every fxamp graph
+# would. fxamp compiles its graphs without donated buffers: retain_graph always works, at the
+# cost of the backward memory Inductor's reuse of those buffers would save.
 
 
 _DELAYED_NEEDS_MODEL = (

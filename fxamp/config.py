@@ -72,6 +72,8 @@ class AmpConfig:
         device_type: the compute device ("cpu", "cuda"); only its tensors are cast.
         float8: a Float8Config to run the model's GEMMs in float8 on top of O1/O2/O3
             (docs/float8.md), or None.
+        plan_reasons: (module path, reason) pairs a PrecisionPlan gave for its choices
+            (docs/planner.md); explain() prints each with the decisions of its module.
         master_weights: keep fp32 master copies of low-precision parameters in the optimizer.
         loss_scale: a positive number or "dynamic".
         min_loss_scale, max_loss_scale, num_losses: loss-scaler settings (Apex names).
@@ -113,6 +115,7 @@ class AmpConfig:
         max_loss_scale: float = 2.0**24,
         num_losses: int = 1,
         float8: Any = None,
+        plan_reasons: tuple[tuple[str, str], ...] = (),
     ) -> "AmpConfig":
         """The preset of an Apex opt level with Apex-style overrides (any non-None value wins).
 
@@ -159,6 +162,7 @@ class AmpConfig:
             op_overrides=_freeze_overrides(op_overrides),
             module_overrides=_freeze_overrides(module_overrides),
             float8=as_float8_config(float8),
+            plan_reasons=tuple(plan_reasons),
         )
         scaler = ScalerConfig(master_weights=preset["master_weights"],
                               loss_scale=preset["loss_scale"], min_loss_scale=min_loss_scale,

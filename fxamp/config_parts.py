@@ -115,9 +115,15 @@ class GraphConfig:
     module_overrides: tuple[tuple[str, str], ...] = ()
     device_type: Optional[str] = None
     float8: Optional[Float8Config] = None
+    plan_reasons: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         check_opt_level(self.opt_level)
+        if not isinstance(self.plan_reasons, tuple) or not all(
+                isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p)
+                for p in self.plan_reasons):
+            raise ConfigError(f"plan_reasons={self.plan_reasons!r} must be a tuple of (module "
+                              "path, reason) string pairs (PrecisionPlan.reasons())")
         if self.float8 is not None and not isinstance(self.float8, Float8Config):
             raise ConfigError(f"float8={self.float8!r} must be a fxamp.Float8Config or None")
         if self.float8 is not None and self.opt_level == "O0":
@@ -168,6 +174,10 @@ class GraphConfig:
                 f"cast_model_type={self.cast_model_type} conflicts with dtype={self.dtype}: "
                 "the model is stored in the dtype it computes in"
             )
+
+    def plan_reason(self, path: str) -> Optional[str]:
+        """Why a PrecisionPlan chose what it did for module `path`, or None."""
+        return dict(self.plan_reasons).get(path or "<root>")
 
     @property
     def is_resolved(self) -> bool:

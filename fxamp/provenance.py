@@ -14,6 +14,7 @@ read node provenance (the passes package imports the rules, so it cannot live in
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Iterator, Optional
 
@@ -22,7 +23,7 @@ import torch.fx.traceback as fx_traceback
 
 from fxamp import _compat
 
-__all__ = ["module_path", "module_of", "module_chain", "source_line", "innermost_frame",
+__all__ = ["OpSite", "module_path", "module_of", "module_chain", "source_line", "innermost_frame",
            "boundary_casts", "is_boundary_cast", "place_in_model"]
 
 _TAG_KEY, _BOUNDARY = "fxamp", "boundary"
@@ -30,6 +31,20 @@ _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _ITEM = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 _STACK_SLOT = re.compile(r"^L\['___stack\d+'\]")
 _FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSite:
+    """Which op of which graph: what the debug tools' Origin, RangeRow, OverflowSite and the
+    planner's PlannedGemm start with."""
+
+    phase: str  # "forward" or "backward" ("loss" for OverflowSite's loss_fn site)
+    graph: int
+    node: str  # the node that ran (AOTAutograd's graph)
+    op: str  # the ATen op that ran, e.g. "aten.addmm.default"
+    source_op: str  # the op fxamp annotated, e.g. "aten.linear.default" ("" if none)
+    module: str  # named_modules path of the innermost module, "" at the top level
+
 
 
 def module_path(dynamo_path: str) -> str:

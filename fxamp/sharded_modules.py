@@ -31,7 +31,7 @@ float8's `skip_modules` and explain() mean the same with and without FSDP2. Iden
 transformer blocks are therefore traced once each, not once in all (Inductor's FX graph cache
 compiles their identical graphs once): sharing one code object would share one graph, and its
 module paths and amax histories, between blocks (and would make Dynamo recompile a module of
-other shapes with dynamic ones, which float8 refuses).
+other shapes with dynamic ones).
 """
 
 from __future__ import annotations

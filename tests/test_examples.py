@@ -48,3 +48,11 @@ def test_readme_demo_as_the_readme_runs_it():
     assert "==== what fxamp O2 does to the CNN (bf16) ====" in out
     assert "keep_batchnorm_fp32" in out
     assert "O1/O2 within 0.6 accuracy points of O0" in out
+
+
+def test_planner_example_plans_saves_applies_and_explains():
+    out = _run("examples.planner")
+    assert "float8: 1 of 3 GEMMs | modeled GEMM time of a training step on h100" in out
+    assert "loaded plan equal: True" in out
+    assert "skip_modules '2'; stays bf16; plan: bf16: float8 rowwise error 1 > budget 0.1" in out
+    assert "step 2: loss" in out

@@ -193,10 +193,11 @@ def test_delayed_scaling_keeps_a_history_per_batch_entry_and_resumes_bit_exactly
     _step(model, xs[0])
     histories = {k: v for k, v in model.state_dict().items() if k.startswith("fxamp_float8_")}
     assert {k: tuple(v.shape) for k, v in histories.items()} == {
-        "fxamp_float8_g0__root__bmm0_input": (4, 2), "fxamp_float8_g0__root__bmm0_weight": (4, 2),
-        "fxamp_float8_g0__root__bmm1_input": (4,), "fxamp_float8_g0__root__bmm1_weight": (4,)}
+        "fxamp_float8_amax_root_bmm0_b2_input": (4, 2),
+        "fxamp_float8_amax_root_bmm0_b2_weight": (4, 2),
+        "fxamp_float8_amax_root_bmm1_input": (4,), "fxamp_float8_amax_root_bmm1_weight": (4,)}
     experts = model.w.detach().to(torch.bfloat16).float().abs().amax(dim=(1, 2))
-    assert torch.equal(histories["fxamp_float8_g0__root__bmm0_weight"][0], experts)
+    assert torch.equal(histories["fxamp_float8_amax_root_bmm0_b2_weight"][0], experts)
     _step(model, xs[1])
     # a fresh model loading the checkpoint before its first call continues bit for bit
     resumed = _delayed(Experts())

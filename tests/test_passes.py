@@ -142,6 +142,31 @@ def test_o1_numerics_match_autocast_bitwise_on_cpu():
     assert torch.equal(gm(x, w, b), expected)
 
 
+def test_o1_runs_the_fused_encoder_layer_in_the_low_dtype_as_cpu_autocast():
+    # nn.TransformerEncoderLayer's eval fast path: CPU autocast reaches the matmuls inside the
+    # fused kernel (the output is 16-bit); fxamp lowers its inputs (tables.py).
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval()
+    params = [layer.self_attn.in_proj_weight, layer.self_attn.in_proj_bias,
+              layer.self_attn.out_proj.weight, layer.self_attn.out_proj.bias,
+              layer.norm1.weight, layer.norm1.bias, layer.norm2.weight, layer.norm2.bias,
+              layer.linear1.weight, layer.linear1.bias, layer.linear2.weight, layer.linear2.bias]
+
+    def fn(x, *p):
+        return torch._transformer_encoder_layer_fwd(x, 16, 2, *p[:4], False, False, 1e-5,
+                                                    *p[4:])
+
+    args = (torch.randn(4, 6, 16), *(p.detach() for p in params))
+    gm = transform(fn, *args, config=_config())
+    assert node_dtypes(gm)["_transformer_encoder_layer_fwd"] == "bf16"
+    assert len(_check_invariants(gm)) == len(args)
+    ref = fn(*(a.double() for a in args))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast_error = (fn(*args).double() - ref).norm() / ref.norm()
+    error = (gm(*args).double() - ref).norm() / ref.norm()
+    assert error <= 2 * autocast_error  # the conformance suite's O1 rule
+
+
 def test_dtypes_per_node_o3_batch_norm_stays_mixed_when_stats_are_fp32():
     def fn(x, w, b, rm, rv):
         return F.batch_norm(x, rm, rv, w, b, training=True)

@@ -28,7 +28,7 @@ from fxamp.errors import ConfigError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.insert_casts import is_fxamp_cast
 from fxamp.prepare import CompileSettings, Prepared, prepare, requested_config
-from fxamp.provenance import module_of, source_line
+from fxamp.provenance import OpSite, module_of, source_line
 
 __all__ = ["GraphRecord", "OpSite", "Origin", "InstrumentingCompiler", "origin_of", "tensors_of",
            "display_name", "describe_config",
@@ -64,18 +64,6 @@ class GraphRecord:
         if node in ours and len(ours) == len(placeholders):
             return placeholders[ours.index(node)].name
         return node.name
-
-
-@dataclasses.dataclass(frozen=True)
-class OpSite:
-    """Which op of which graph that ran: what Origin, RangeRow and OverflowSite start with."""
-
-    phase: str  # "forward" or "backward" ("loss" for OverflowSite's loss_fn site)
-    graph: int
-    node: str  # the node that ran (AOTAutograd's graph)
-    op: str  # the ATen op that ran, e.g. "aten.addmm.default"
-    source_op: str  # the op fxamp annotated, e.g. "aten.linear.default" ("" if none)
-    module: str  # named_modules path of the innermost module, "" at the top level
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,15 +156,22 @@ class InstrumentingCompiler:
     `visit(record, phase, node, value, env)` sees every placeholder and op of every forward and
     backward graph, in execution order, after it ran; `env` holds the values of its inputs.
     `graphs` lists what each Dynamo graph became.
+
+    With `pre_dispatch=True` it runs fxamp's pre-dispatch graph itself instead, eagerly and
+    under autograd (no AOTAutograd): `visit` sees every node of the graph the passes annotated
+    (phase "forward"), with live values a hook can follow into the backward (the planner's
+    measurements, fxamp/planner/measure.py).
     """
 
-    def __init__(self, visit: Visit):
-        self.visit = visit
+    def __init__(self, visit: Visit, *, pre_dispatch: bool = False):
+        self.visit, self.pre_dispatch = visit, pre_dispatch
         self.graphs: list[GraphRecord] = []
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         record = GraphRecord(len(self.graphs), gm)
         self.graphs.append(record)
+        if self.pre_dispatch:
+            return lambda *args: _Visiting(gm, record, FORWARD, self.visit).run(*args)
         return _compat.aot_eager(gm, example_inputs,
                          fw_compiler=lambda g, _: self._interpret(record, FORWARD, g),
                          bw_compiler=lambda g, _: self._interpret(record, BACKWARD, g))

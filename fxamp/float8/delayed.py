@@ -5,29 +5,63 @@ input and weight are scaled from the largest amax of their last `history_len` st
 their own (so the scale needs no reduction before the cast), and the current amax is pushed
 into the history by the compiled graph itself: a `copy_` into a buffer, which AOTAutograd turns
 into an input mutation of the compiled function, with no `.item()` and no host sync. The
-buffers are registered on the model itself (`fxamp_float8_<graph>_<module>_<op><n>_input` /
-`_weight`; a child module would change what an nn.Sequential runs), so they are in
-`model.state_dict()`, move with checkpoints and resume bit for bit; a load_state_dict pre-hook
-creates them when a checkpoint is loaded before the first call (the graph that names them is
-traced only then). The `Float8History` that names them lives in the model's `__dict__`. A history is named after its graph, module, op and operand, so a model
-that recompiles (new shapes) starts fresh histories for the new graph. The gradient operand
-is scaled dynamically: its amax exists only in the backward graph, and AOTAutograd does not
-carry a buffer mutation made there back to the buffer (checked on 2.11, 2.13, 2.14: it is
-dropped silently), so a history of it could not be kept in-graph.
+buffers are registered on the model itself (a child module would change what an nn.Sequential
+runs), so they are in `model.state_dict()`, move with checkpoints and resume bit for bit; a
+load_state_dict pre-hook creates them when a checkpoint is loaded before the first call (the
+graph that names them is traced only then). The `Float8History` that names them lives in the
+model's `__dict__`. The gradient operand is scaled dynamically: its amax exists only in the
+backward graph, and AOTAutograd does not carry a buffer mutation made there back to the buffer
+(checked on 2.11, 2.13, 2.14: it is dropped silently), so a history of it could not be kept
+in-graph.
+
+Note [Amax histories are named by what they measure]: a history is named after the GEMM it
+feeds, never after the graph that first traced it: `fxamp_float8_amax_<module>_<op><k>_<role>`
+(`module`: the named_modules path, `root` for the model's own forward; `k`: the GEMM's rank
+among that module's GEMMs of that op in the graph; `role`: `input` or `weight`, the left and
+right operand; a GEMM done per batch entry adds `_b<B>`). So every graph that runs the GEMM
+reads and updates the same history: the no_grad graph of an eval pass traced before the
+training graph (Lightning's sanity check), a graph recompiled for new shapes (dynamic or not),
+a resumed process. Two GEMMs of one module that different graphs hold at the same rank (split
+by a graph break, or one under `if self.training:`) would get the same name: the source line
+of each name is kept (`Float8History.claim`), and a second line is refused.
+Until 2026-11-25 histories were named by trace order (`fxamp_float8_g0_...`): which graph was
+`g0` is not in the checkpoint (an eval pass traced first took the names), so such a state_dict
+is refused on load (`ConfigError`, nothing loaded), never mapped by guess.
+
+Note [Eval forwards leave the histories alone]: a GEMM traced with gradients disabled
+(`torch.no_grad()`, `torch.inference_mode()`, a no_grad region of the forward) is scaled from
+its histories but does not push into them; only GEMMs run with grad enabled (training
+forwards) do, one push per call. So validation passes do not change training: a run with
+evaluations between steps trains bit for bit as one without. torchao's Float8Linear (delayed
+scaling, up to 0.8) records the current amax in every forward, eval included, and pushes it at
+the next `sync_float8_amax_and_scale_history`, which the training loop calls once per step: an
+eval forward there replaces the last training amax in the history. fxamp departs from that on
+purpose (docs/float8.md, "Delayed scaling").
 """
 
 from __future__ import annotations
 
+import re
 from typing import Optional
 
 import torch
 
+from fxamp.errors import ConfigError
 from fxamp.float8.config import Float8Config
 
-__all__ = ["Float8History", "PREFIX", "attach_history", "history_of"]
+__all__ = ["Float8History", "PREFIX", "attach_history", "history_of", "history_name"]
 
 PREFIX = "fxamp_float8_"
 _ATTR = "_fxamp_float8_history"
+_LEGACY = re.compile(re.escape(PREFIX) + r"g\d+_")
+
+
+def history_name(module: str, op: str, rank: int, entries: int = 0) -> str:
+    """The buffer name (less PREFIX and the `_input`/`_weight` role) of the histories of one
+    GEMM (Note [Amax histories are named by what they measure])."""
+    module = "root" if module in ("", "<root>") else module
+    batch = f"_b{entries}" if entries else ""
+    return re.sub(r"\W", "_", f"amax_{module}_{op}{rank}{batch}")
 
 
 class Float8History:
@@ -36,11 +70,22 @@ class Float8History:
 
     def __init__(self, model: torch.nn.Module, history_len: int, device: torch.device):
         self.model, self.history_len, self.device = model, history_len, device
-        self.graphs_traced = 0  # names the histories of each graph the backend transforms
+        self.claimed: dict[str, tuple[tuple[str, str, int], str]] = {}  # name -> GEMM, line
 
     def __getstate__(self) -> dict:
-        # A copy retraces its graphs from the first, so it names them as the original did.
-        return {**self.__dict__, "graphs_traced": 0}
+        # A copy retraces its graphs, and claims its names again.
+        return {**self.__dict__, "claimed": {}}
+
+    def claim(self, uses: list[tuple[str, tuple[str, str, int], str]]) -> None:
+        """Record that each GEMM (module, op, rank) at its source line uses history `name`,
+        for `(name, gemm, line)` in `uses`; refuse two GEMMs under one name, before recording
+        any (Note [Amax histories are named by what they measure])."""
+        claimed = dict(self.claimed)
+        for name, gemm, line in uses:
+            seen = claimed.setdefault(name, (gemm, line))
+            if seen[0] != gemm or (line and seen[1] and seen[1] != line):
+                raise ConfigError(_shared_refusal(name, seen, (gemm, line)))
+        self.claimed = claimed
 
     def get(self, name: str, entries: int = 0) -> torch.Tensor:
         """The buffer PREFIX + name of the model, created (zeros: nothing seen yet) if new:
@@ -52,14 +97,44 @@ class Float8History:
             self.model.register_buffer(full, torch.zeros(shape, device=self.device))
         return self.model.get_buffer(full)
 
+    def remove(self) -> None:
+        """Delete every history buffer from the model (un-preparing it)."""
+        names = [n for n, _ in self.model.named_buffers(recurse=False) if n.startswith(PREFIX)]
+        for name in names:
+            delattr(self.model, name)
+
+
+def _shared_refusal(name: str, first: tuple, second: tuple) -> str:
+    return (f"float8 delayed scaling: two GEMMs would share the amax history {name!r}: "
+            f"{first[1] or first[0]} and {second[1] or second[0]}. Histories are named by "
+            "module, op and rank, and these two have the same in different graphs: a graph "
+            f"break between two GEMMs of module {second[0][0]!r}, a GEMM that only one graph "
+            "runs (under `if self.training:`), or module paths that differ only by '.' and "
+            "'_'. Remove the graph break (fxamp.explain lists them), move one GEMM into a "
+            "submodule of its own, add the module to Float8Config(skip_modules=...), or use "
+            "scaling='dynamic'")
+
 
 def _create_loaded(model: torch.nn.Module, state_dict, prefix, *args) -> None:
     history = history_of(model)
-    for key in state_dict:
-        name = key[len(prefix):]
-        if history is not None and key.startswith(prefix + PREFIX) and "." not in name:
-            saved = state_dict[key]
-            history.get(name[len(PREFIX):], saved.shape[1] if saved.dim() == 2 else 0)
+    ours = [key for key in state_dict
+            if key.startswith(prefix + PREFIX) and "." not in key[len(prefix):]]
+    legacy = [key for key in ours if _LEGACY.match(key[len(prefix):])]
+    if legacy:
+        raise ConfigError(_legacy_refusal(legacy))
+    for key in ours if history is not None else ():
+        saved = state_dict[key]
+        history.get(key[len(prefix + PREFIX):], saved.shape[1] if saved.dim() == 2 else 0)
+
+
+def _legacy_refusal(keys: list[str]) -> str:
+    return (f"this state_dict holds float8 amax histories named by trace order ({keys[0]!r}"
+            f"{f' and {len(keys) - 1} more' if len(keys) > 1 else ''}), from an fxamp that "
+            "gave a graph traced first (an eval pass, too) the training graph's histories: "
+            "which GEMM each one measured is not recorded, so they are not loaded (nothing "
+            "was). Drop them: model.load_state_dict({k: v for k, v in state.items() if not "
+            "k.startswith('fxamp_float8_g')}, strict=False); the histories then restart "
+            "from the next steps' amaxes (docs/float8.md, \"Delayed scaling\")")
 
 
 def attach_history(model: torch.nn.Module, f8: Optional[Float8Config]):
@@ -74,8 +149,12 @@ def attach_history(model: torch.nn.Module, f8: Optional[Float8Config]):
 
 
 def detach_history(model: torch.nn.Module, handle) -> None:
+    """Undo `attach_history`: the hook, the Float8History and the buffers it made (the model
+    had none before: they are all made by fxamp, at a load or a trace)."""
     handle.remove()
-    model.__dict__.pop(_ATTR, None)
+    history = model.__dict__.pop(_ATTR, None)
+    if history is not None:
+        history.remove()
 
 
 def history_of(model: Optional[torch.nn.Module]) -> Optional[Float8History]:

@@ -129,12 +129,12 @@ class Float8MM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor, recipe: str,
                 history_a: Optional[torch.Tensor] = None,
-                history_b: Optional[torch.Tensor] = None) -> torch.Tensor:
+                history_b: Optional[torch.Tensor] = None, update: bool = True) -> torch.Tensor:
         r = RECIPES[recipe]
         scale_a = scale_b = None
         if history_a is not None:
-            scale_a = delayed_scale(a, history_a, r.input)
-            scale_b = delayed_scale(b, history_b, r.weight)
+            scale_a = delayed_scale(a, history_a, r.input, update)
+            scale_b = delayed_scale(b, history_b, r.weight, update)
         a8, b8 = _operand(a, r.input, r, True, scale_a), _operand(b, r.weight, r, False, scale_b)
         ctx.save_for_backward(a, b, *((a8.scale, b8.scale) if history_a is not None else ()))
         ctx.recipe = r
@@ -150,11 +150,11 @@ class Float8MM(torch.autograd.Function):
                        rowwise=r.rowwise and not r.weight_tensorwise_for_grad_input)
         grad_a = _gemm(g8, bt8, grad.dtype, False)
         if r.grad_weight_hp:
-            return grad_a, _t(_hp_mm(_t(grad), a)), None, None, None
+            return grad_a, _t(_hp_mm(_t(grad), a)), None, None, None, None
         gt8 = _operand(_t(grad), r.grad_output, r, True)
         a8 = _operand(a, r.input, r, False, scale_a)
         grad_b = _t(_gemm(gt8, a8, grad.dtype, False))
-        return grad_a, grad_b, None, None, None
+        return grad_a, grad_b, None, None, None, None
 
 
 def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -164,10 +164,12 @@ def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def float8_matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
                   history_a: Optional[torch.Tensor] = None,
                   history_b: Optional[torch.Tensor] = None, *, alpha: float = 1,
-                  beta: float = 1) -> torch.Tensor:
+                  beta: float = 1, update_history: bool = True) -> torch.Tensor:
     """`beta * bias + alpha * (a @ b)` for a [..., K] and a 2-D b [K, N], in float8 (mm,
-    matmul, addmm)."""
-    out = Float8MM.apply(a.reshape(-1, a.shape[-1]), b, recipe, history_a, history_b)
+    matmul, addmm). `update_history`: push the amaxes into the histories (delayed scaling;
+    Note [Eval forwards leave the histories alone])."""
+    out = Float8MM.apply(a.reshape(-1, a.shape[-1]), b, recipe, history_a, history_b,
+                         update_history)
     return _epilogue(out.reshape(*a.shape[:-1], out.shape[-1]), bias, alpha, beta)
 
 
@@ -183,15 +185,17 @@ def _epilogue(out: torch.Tensor, bias: Optional[torch.Tensor], alpha: float,
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   recipe: str, history_x: Optional[torch.Tensor] = None,
-                  history_w: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  history_w: Optional[torch.Tensor] = None, *,
+                  update_history: bool = True) -> torch.Tensor:
     """`F.linear(x, weight, bias)` in float8: torchao's `Float8Linear.forward`."""
-    return float8_matmul(x, weight.t(), bias, recipe, history_x, history_w)
+    return float8_matmul(x, weight.t(), bias, recipe, history_x, history_w,
+                         update_history=update_history)
 
 
 def float8_bmm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
                history_a: Optional[torch.Tensor] = None,
                history_b: Optional[torch.Tensor] = None, *, alpha: float = 1,
-               beta: float = 1) -> torch.Tensor:
+               beta: float = 1, update_history: bool = True) -> torch.Tensor:
     """`beta * bias + alpha * (a @ b)` for batched a [..., M, K] and b [..., K, N] in float8
     (bmm, baddbmm, batched matmul; Note [Batched float8 GEMMs]). A `b` with a single batch
     entry (the source of a broadcast: a linear written as a bmm) is one flattened 2-D GEMM,
@@ -199,10 +203,10 @@ def float8_bmm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], r
     k, n = b.shape[-2:]
     if b.shape[:-2].numel() == 1:
         out = Float8MM.apply(a.reshape(-1, k), b.reshape(k, n).to(a.dtype), recipe, history_a,
-                             history_b)
+                             history_b, update_history)
         out = out.reshape(*a.shape[:-1], n)
     else:
         out = Float8MM.apply(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n), recipe,
-                             history_a, history_b)
+                             history_a, history_b, update_history)
         out = out.reshape(*a.shape[:-1], n)
     return _epilogue(out, bias, alpha, beta)

@@ -21,10 +21,12 @@ def cast_to_float8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     return (x.to(torch.float32) * scale).clamp(min=-fmax, max=fmax).to(dtype)
 
 
-def delayed_scale(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """finfo.max / (the history's largest amax, or x's own before anything was seen); pushes
-    x's amax into the history in place (Note [Delayed scaling lives in the model]). A 2-D
-    history [len, B] keeps one per batch entry of a batched x [B, M, K]: scales [B, 1, 1]."""
+def delayed_scale(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype,
+                  update: bool = True) -> torch.Tensor:
+    """finfo.max / (the history's largest amax, or x's own before anything was seen); with
+    `update`, pushes x's amax into the history in place (Note [Delayed scaling lives in the
+    model], Note [Eval forwards leave the histories alone]). A 2-D history [len, B] keeps one
+    per batch entry of a batched x [B, M, K]: scales [B, 1, 1]."""
     if history.dim() == 1:
         amax = torch.max(torch.abs(x)).to(torch.float32)
         seen = history.max()
@@ -32,5 +34,6 @@ def delayed_scale(x: torch.Tensor, history: torch.Tensor, dtype: torch.dtype) ->
         amax = x.abs().amax(dim=(-2, -1)).to(torch.float32)
         seen = history.amax(dim=0)
     scale = amax_to_scale(torch.where(seen > 0, seen, amax), dtype, False)
-    history.copy_(torch.cat([amax.view(1, *amax.shape), history[:-1]]))
+    if update:
+        history.copy_(torch.cat([amax.view(1, *amax.shape), history[:-1]]))
     return scale if history.dim() == 1 else scale.view(-1, 1, 1)

@@ -1,5 +1,4 @@
-"""fxamp inside the trainers people use: accelerate, the transformers Trainer, torchtitan.
-
-Each module imports its library when it is imported itself; `import fxamp` imports none of them
-(docs/integrations.md).
-"""
+"""fxamp inside the trainers people use: Lightning, accelerate, the transformers Trainer,
+torchtitan. Each module imports its framework when it is imported itself (import the one you
+use, e.g. `fxamp.integrations.lightning`); `import fxamp` imports none of them
+(docs/integrations.md)."""

@@ -8,7 +8,8 @@ protocol; `initialize`, `scale_loss`,
 `unscale_`, `master_params`, `FP16_Optimizer` and the amp state dict helpers mirror Apex.
 """
 
-from fxamp.optim.apex import amp_state_dict, initialize, load_amp_state_dict, master_params
+from fxamp.optim.amp_state import amp_state_dict, load_amp_state_dict, load_state_dict, state_dict
+from fxamp.optim.apex import initialize, master_params
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.larc import LARC
 from fxamp.optim.loss_scaler import LossScaler
@@ -38,4 +39,6 @@ __all__ = [
     "master_params",
     "amp_state_dict",
     "load_amp_state_dict",
+    "state_dict",
+    "load_state_dict",
 ]

@@ -1,6 +1,6 @@
-"""Apex amp's entry points for people migrating: initialize, master_params and the amp state
-dict (scale_loss is in scale_loss.py), with no global state: the loss scalers live on the
-optimizers `initialize` returns (`set_loss_scalers`), shared by all of them (Apex's
+"""Apex amp's entry points for people migrating: initialize and master_params (scale_loss is in
+scale_loss.py, the amp state dict in amp_state.py), with no global state: the loss scalers live
+on the optimizers `initialize` returns (`set_loss_scalers`), shared by all of them (Apex's
 `_amp_state.loss_scalers`)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from fxamp.arguments import check_compiler, check_model_list
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
+from fxamp.optim import amp_state
 from fxamp.optim.convert import fused_class, to_fused
 from fxamp.optim.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.larc import apply_larc
@@ -22,7 +23,7 @@ from fxamp.optim.master_grads import master_params_of
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.prepare import CompileSettings, check_model, prepare
 
-__all__ = ["initialize", "master_params", "amp_state_dict", "load_amp_state_dict"]
+__all__ = ["initialize", "master_params"]
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool =
     inductor = compiler == "inductor"
     scalers = [LossScaler.from_config(config, compile=inductor) for _ in range(num_losses)]
     converted = [_convert(o, config, scalers, inductor) for o in opt_list]
+    amp_state.register(converted)  # for amp.state_dict() (Note in amp_state.py)
     (log.info if verbosity else log.debug)(
         "initialize(%s): %d model(s), optimizers %s, %d loss scaler(s)", opt_level,
         len(compiled), [type(o).__name__ for o in converted], num_losses)
@@ -200,31 +202,3 @@ def master_params(optimizer: Any) -> Iterator[torch.Tensor]:
     else:
         for group in optimizer.param_groups:
             yield from group["params"]
-
-
-def amp_state_dict(optimizer: Any) -> dict[str, dict[str, Any]]:
-    """Apex's `amp.state_dict()`: {"loss_scaler0": {"loss_scale", "unskipped"}, ...} for the
-    scalers `initialize` attached to `optimizer`. Reads the scales back from the device."""
-    out = {}
-    for i, scaler in enumerate(_scalers(optimizer)):
-        sd = scaler.state_dict()
-        out[f"loss_scaler{i}"] = {"loss_scale": sd["scale"], "unskipped": sd["_growth_tracker"]}
-    return out
-
-
-def load_amp_state_dict(optimizer: Any, state_dict: dict[str, Any]) -> None:
-    """Apex's `amp.load_state_dict`: load {"loss_scalerK": ...} into the optimizer's scalers."""
-    scalers = _scalers(optimizer)
-    if len(state_dict) != len(scalers):
-        raise ConfigError(f"the amp state dict has {len(state_dict)} loss scalers, the optimizer "
-                          f"has {len(scalers)} (initialize's num_losses)")
-    for i, scaler in enumerate(scalers):
-        scaler.load_state_dict(state_dict[f"loss_scaler{i}"])
-
-
-def _scalers(optimizer: Any) -> list[LossScaler]:
-    scalers = getattr(optimizer, "loss_scalers", None)
-    if not scalers:
-        raise ConfigError(f"{type(optimizer).__name__} has no loss scalers: pass an optimizer "
-                          "returned by fxamp.optim.initialize")
-    return scalers

@@ -3,6 +3,7 @@ hyperparameters: what `initialize` (and `LARC` of a torch optimizer) builds in t
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
 import torch
@@ -33,11 +34,18 @@ def fused_class(opt: torch.optim.Optimizer) -> Optional[type]:
 
 def to_fused(opt: torch.optim.Optimizer, cls: type, *, master_weights: bool,
              compile: bool) -> FusedOptimizer:
-    """A new `cls` over `opt`'s param groups (its state is not carried over); an fxamp
-    optimizer keeps its `max_grad_norm` and `state_format` (initialize carries its LARC
-    settings over)."""
+    """A new `cls` over `opt`'s param groups and defaults (its state is not carried over); an
+    fxamp optimizer keeps its `max_grad_norm` and `state_format` (initialize carries its LARC
+    settings over).
+
+    The defaults matter to a group added later: `add_param_group({"params": ..., "lr": ...})`
+    takes every other hyperparameter (SGD's momentum, Adam's betas) from them, as torch.optim's
+    does, so they are `opt`'s, not `cls`'s own.
+    """
     groups = [{k: v for k, v in g.items() if k not in _DROPPED_KEYS} for g in opt.param_groups]
-    extra: dict[str, Any] = {}
+    accepted = inspect.signature(cls.__init__).parameters
+    extra: dict[str, Any] = {k: v for k, v in opt.defaults.items()
+                             if k in accepted and k not in _DROPPED_KEYS and k != "params"}
     if isinstance(opt, FusedOptimizer):  # its own settings, besides the param groups
         extra.update(max_grad_norm=opt.max_grad_norm, state_format=opt.state_format)
     return cls(groups, master_weights=master_weights, compile=compile, **extra)

@@ -24,6 +24,10 @@ loss, one optimizer: the usual loop), its fused step *is* the resolution: the pr
 unscales by the live scale (unchanged since the exit) and moves the scale, in one graph.
 `delay_unscale=True` records no exit: the gradients keep their scale, as in Apex, for the next
 exit (or step) to take.
+
+That deferred resolution is what `scale_loss(..., unscale_on_exit=False)` does. By default an
+exit is resolved at once and leaves `.grad` unscaled (`unscale`, Note [.grad after a scale_loss
+exit] in folding.py): the same fold and flag, in place, in one pass.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["close", "resolve", "resolve_for", "settle", "take"]
+__all__ = ["close", "unscale", "resolve", "resolve_for", "settle", "take"]
 
 
 def close(scaler: Any, optimizers: tuple) -> None:
@@ -42,15 +46,25 @@ def close(scaler: Any, optimizers: tuple) -> None:
     scaler.pending_exit = optimizers
 
 
+def unscale(scaler: Any, optimizers: tuple) -> torch.Tensor:
+    """A scale_loss exit resolved at once: `.grad` of the optimizers unscaled in place, their
+    overflow flagged for their steps, the scale moved by it."""
+    return _resolve(scaler, optimizers, lambda opt, flag: opt.unscale_exit(scaler, flag))
+
+
 def resolve(scaler: Any) -> Optional[torch.Tensor]:
     """Fold the pending exit's gradients, flag their overflow and move the scale by it."""
     optimizers = scaler.pending_exit
     if not optimizers:
         return None
     scaler.pending_exit = None
+    return _resolve(scaler, optimizers, lambda opt, flag: opt.fold_exit(scaler, flag))
+
+
+def _resolve(scaler: Any, optimizers: tuple, take_grads: Any) -> torch.Tensor:
     flag = torch.zeros((), dtype=torch.bool, device=optimizers[0].folding.device)
     for opt in optimizers:
-        opt.fold_exit(scaler, flag)
+        take_grads(opt, flag)
     for opt in optimizers:
         opt.agree_exit_flag_(flag)
     scaler.update(flag)

@@ -19,10 +19,26 @@ the call; else (3) the first of the optimizer's `loss_scalers` (initialize's, se
 (they carry no scale any more, and their scaler moved already). No scaler at all: the gradients
 are taken as unscaled, after `scaled_graphs.check_no_pending_scale` has made sure that no
 scaled backward reached them. `unscale_(scaler)` given a scaler divides by that one.
+
+# Note [.grad after a scale_loss exit]
+Apex unscaled at every `scale_loss` exit, so Apex scripts read `.grad` right after the block:
+they clip `model.parameters()` or log gradient norms there. So an exit (unless
+`unscale_on_exit=False`) divides the gradients of its backward by the scale in place, adds what
+was folded before, and ORs their overflow into the exit's flag: one pass
+(`fused_step.unscale_grads`), no host read; the scale moves by the flag at once and the
+optimizers of the call keep it for their step. The optimizer is then *unscaled*
+(`GradientFolding.unscaled`): `.grad` holds the gradients the step takes. For 16-bit
+parameters with fp32 masters (O2), `.grad` holds them rounded to the model's dtype (fp16 would
+lose the small ones that loss scaling exists to keep), and the exact fp32 sum stays in the
+bucket's `acc`, which the step takes unless `.grad` was written since the exit (a clip, a
+`model.zero_grad()`: the version of the flat gradient moved); then the step takes `.grad` as
+written. Another backward into unscaled gradients first settles them into `acc` (Apex's
+stashed gradients); `opt.step(scaler)` without `scale_loss` keeps the deferred unscale.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -31,7 +47,7 @@ from fxamp.errors import ConfigError
 from fxamp.optim import fused_step
 from fxamp.optim.loss_scaler import LossScaler
 
-__all__ = ["GradientFolding", "FoldRound"]
+__all__ = ["GradientFolding", "FoldRound", "UnscaledGrads"]
 
 
 class FoldRound:
@@ -66,17 +82,43 @@ def round_of(scaler: LossScaler, device: torch.device) -> FoldRound:
     return current
 
 
+@dataclasses.dataclass
+class UnscaledGrads:
+    """An optimizer's gradients after a scale_loss exit unscaled them (Note [.grad after a
+    scale_loss exit])."""
+
+    keep: tuple[bool, ...]  # per bucket: `acc` holds the fp32 sum the step takes
+    versions: list[int]  # each raw gradient buffer's version just after the unscale
+
+    def edited(self, raws: Sequence[torch.Tensor]) -> list[bool]:
+        """Per bucket: `.grad` was written since the unscale (then it, not `acc`, is taken)."""
+        return [raw._version != v for raw, v in zip(raws, self.versions)]
+
+    def absorb_edits(self, raws: Sequence[torch.Tensor],
+                     accs: Sequence[Optional[torch.Tensor]]) -> bool:
+        """Copy edited `.grad` into the kept `acc`; whether any bucket was edited."""
+        edited = self.edited(raws)
+        for i, (raw, acc, keep) in enumerate(zip(raws, accs, self.keep)):
+            if keep and edited[i]:
+                acc.copy_(raw)
+                self.versions[i] = raw._version
+        return any(edited)
+
+
 class GradientFolding:
     """The folding state of one optimizer: which scale its raw gradients carry, which scalers
     it folded this step, and the flags of the `scale_loss` exits it took part in.
 
     Args:
-        fold_fn: `fused_step`'s compiled (or eager) `fold_grads`.
+        fold_fn, unscale_fn: `fused_step`'s compiled (or eager) `fold_grads`, `unscale_grads`.
         device: where the optimizer's buffers are.
     """
 
-    def __init__(self, fold_fn: Callable, device: torch.device) -> None:
+    def __init__(self, fold_fn: Callable, device: torch.device,
+                 unscale_fn: Callable = fused_step.unscale_grads) -> None:
         self.device = device
+        self.unscaled: Optional[UnscaledGrads] = None  # Note [.grad after a scale_loss exit]
+        self._unscale_fn = unscale_fn
         self.loss_scalers: tuple[LossScaler, ...] = ()  # initialize's, one per loss_id
         self.raw_scaler: Optional[LossScaler] = None  # the scale the raw gradients carry
         self._fold_fn = fold_fn
@@ -129,6 +171,33 @@ class GradientFolding:
         self.raw_scaler = None
         self._exit_flags.append(flag)
 
+    def unscale_exit(self, scaler: LossScaler, flag: torch.Tensor,
+                     raws: Sequence[torch.Tensor], accs: Sequence[Optional[torch.Tensor]],
+                     keep: tuple[bool, ...], owner: object) -> None:
+        """A scale_loss exit that leaves `.grad` unscaled: `raws` divided by `scaler`'s scale
+        plus `accs`, in place, overflow OR-ed into the exit's `flag`, which the step keeps."""
+        self._unscale_fn(raws, accs, keep, fused_step.inverse(
+            scaler.state_tensors(self.device)[0]), flag)
+        scaler.scaled_graphs.mark_done(owner)
+        self.raw_scaler = None
+        self._exit_flags.append(flag)
+        self.unscaled = UnscaledGrads(keep, [raw._version for raw in raws])
+
+    @torch.no_grad()
+    def settle_unscaled(self, raws: Sequence[torch.Tensor],
+                        accs: Sequence[torch.Tensor]) -> None:
+        """Unscaled gradients become folded ones (all in `acc`, `.grad` zero) before another
+        backward adds to them or a fold takes them."""
+        unscaled, self.unscaled = self.unscaled, None
+        if unscaled is None:
+            return
+        unscaled.absorb_edits(raws, accs)
+        for raw, acc, keep in zip(raws, accs, unscaled.keep):
+            if not keep:
+                acc.add_(raw)
+            raw.zero_()
+        self.raw_scaler = None
+
     def involve(self, scaler: LossScaler, owner: object,
                 found: Optional[torch.Tensor] = None) -> None:
         """The raw gradients, which carried `scaler`'s scale, were taken into fp32 (`found`:
@@ -162,3 +231,4 @@ class GradientFolding:
             round_of(scaler, self.device).leave(self, scaler)
         self._involved = []
         self._exit_flags = []
+        self.unscaled = None

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import exits, fused_step
+from fxamp.optim import exits, fused_step, scaled_graphs
 from fxamp.optim.distributed import is_dtensor
 from fxamp.optim.flat import flatten_param_groups
 from fxamp.optim.folding import GradientFolding
@@ -62,7 +62,7 @@ class FP16_Optimizer:
         self.found_inf = torch.zeros((), dtype=torch.bool, device=device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
         fns = fused_step.compiled() if compile else fused_step.eager
-        self.folding = GradientFolding(fns.fold_grads, device)
+        self.folding = GradientFolding(fns.fold_grads, device, fns.unscale_grads)
         """Which scale the gradients carry and what was folded (folding.py)."""
         self.folding.set_loss_scalers([scaler], "FP16_Optimizer")
         (log.info if verbose else log.debug)(
@@ -91,6 +91,8 @@ class FP16_Optimizer:
         """Add the model's gradients, unscaled, to the masters' `.grad` and zero them; record
         overflow. Runs at most once per backward."""
         exits.resolve_for(self)
+        if self.folding.unscaled is not None:  # the masters' .grad hold them already
+            self.folding.settle_unscaled(*self._fold_buffers())
         if self.folding.raw_scaler is None:
             return
         self.folding.fold(self.folding.raw_scaler, *self._fold_buffers(), owner=self)
@@ -100,7 +102,9 @@ class FP16_Optimizer:
         """A backward with `scaler` is about to add to the gradients: resolve the exit they
         wait in, and fold them if they carry another scaler's scale."""
         exits.resolve_for(self)
-        if self.folding.carries_other(scaler):
+        scaled_graphs.release_dropped(
+            self, lambda: [p for b in self._buckets for p in b.params])
+        if self.folding.unscaled is not None or self.folding.carries_other(scaler):
             self.update_master_grads()
 
     def after_backward(self, scaler: LossScaler) -> None:
@@ -110,6 +114,12 @@ class FP16_Optimizer:
     def fold_exit(self, scaler: LossScaler, flag: torch.Tensor) -> None:
         """Resolve a scale_loss exit into `flag` (Note [Apex's scale_loss exits])."""
         self.folding.fold_exit(scaler, flag, *self._fold_buffers(), owner=self)
+
+    def unscale_exit(self, scaler: LossScaler, flag: torch.Tensor) -> None:
+        """A scale_loss exit: the masters' `.grad` get the unscaled sum and the model's `.grad`
+        its rounding (Note [.grad after a scale_loss exit] in folding.py)."""
+        raws, accs = self._fold_buffers()
+        self.folding.unscale_exit(scaler, flag, raws, accs, (True,) * len(raws), owner=self)
 
     def agree_exit_flag_(self, flag: torch.Tensor) -> None:
         """Nothing to agree on: FP16_Optimizer steps one process's parameters."""

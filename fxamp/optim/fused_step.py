@@ -46,8 +46,8 @@ from fxamp._compat import compile_fresh, recompute_pointwise_options
 from fxamp.optim import codecs, distributed
 from fxamp.optim.scale_rule import ScaleRule, after_step, scale_is_valid
 
-__all__ = ["prologue", "update", "fold_grads", "gather_grads", "inverse", "compiled", "eager",
-           "StepFns", "StepState"]
+__all__ = ["prologue", "update", "fold_grads", "gather_grads", "unscale_grads", "inverse",
+           "compiled", "eager", "StepFns", "StepState"]
 
 Tensor = torch.Tensor
 # Columns the prologue appends to every group's row of scalars.
@@ -189,12 +189,32 @@ def gather_grads(raws: Sequence[Tensor], accs: Sequence[Optional[Tensor]],
     found_out.copy_(flag)
 
 
+def unscale_grads(raws: Sequence[Tensor], accs: Sequence[Optional[Tensor]],
+                  keep: tuple[bool, ...], inv_scale: Tensor, found: Tensor) -> None:
+    """raw = acc + raw * inv_scale in raw's dtype, in place, OR-ing raw's overflow into `found`;
+    where `keep`, acc holds the same sum in fp32 (the step's gradient: 16-bit parameters with
+    fp32 masters), else acc (if any) is zeroed. One pass: Apex's unscale at a scale_loss exit
+    (Note [.grad after a scale_loss exit] in folding.py)."""
+    flag = found | ~scale_is_valid(inv_scale)
+    for raw, acc, kept in zip(raws, accs, keep):
+        flag = flag | ~torch.isfinite(raw).all()
+        grad = raw.float() * inv_scale
+        if acc is not None:
+            grad = grad + acc
+        raw.copy_(grad)
+        if kept:
+            acc.copy_(grad)
+        elif acc is not None:
+            acc.zero_()
+    found.copy_(flag)
+
+
 def inverse(scale: Tensor) -> Tensor:
     """1 / scale rounded as GradScaler rounds it (through float64)."""
     return scale.double().reciprocal().float()
 
 
-_STEP_FNS = (prologue, update, fold_grads, gather_grads)
+_STEP_FNS = (prologue, update, fold_grads, gather_grads, unscale_grads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,12 +226,13 @@ class StepFns:
     update: Callable[..., None]
     fold_grads: Callable[..., None]
     gather_grads: Callable[..., None]
+    unscale_grads: Callable[..., None]
 
 
 def compiled() -> StepFns:
-    """`prologue`, `update`, `fold_grads` and `gather_grads` compiled for one optimizer, with
-    Dynamo caches of their own (Note [One compiled step per optimizer]); each compiles when it
-    is first called."""
+    """`prologue`, `update`, `fold_grads`, `gather_grads` and `unscale_grads` compiled for one
+    optimizer, with Dynamo caches of their own (Note [One compiled step per optimizer]); each
+    compiles when it is first called."""
     options = {update: recompute_pointwise_options()}  # Note [A codec the CPU runs fast]
     return StepFns(**{fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False,
                                                  options=options.get(fn))

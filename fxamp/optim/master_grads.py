@@ -53,16 +53,22 @@ class MasterGrads:
         self._gathered: Optional[_Gathered] = None
 
     def gather(self, buckets: Sequence[Bucket], scaler: Optional[LossScaler],
-               unit: LossScaler, device: torch.device) -> None:
-        """Compute the master gradients from the raw ones, unless they are still current."""
+               unit: LossScaler, device: torch.device,
+               unscaled: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Compute the master gradients from the raw ones, unless they are still current;
+        `unscaled`: per bucket, the unscaled gradients to take instead (Note [.grad after a
+        scale_loss exit] in folding.py)."""
         if self.current(buckets, scaler) is not None:
             return  # a second call yields the same (maybe clipped) gradients, as Apex's did
         if len(self.buffers) != len(buckets):
             self.buffers = [torch.zeros_like(b.weights) for b in buckets]
         found = torch.zeros((), dtype=torch.bool, device=device)
-        inv_scale = fused_step.inverse((scaler or unit).state_tensors(device)[0])
-        self._gather_fn([b.grad for b in buckets], [b.acc for b in buckets], self.buffers,
-                        inv_scale, found)
+        if unscaled is None:
+            scale, raws, accs = scaler or unit, [b.grad for b in buckets], [b.acc for b in buckets]
+        else:
+            scale, raws, accs = unit, list(unscaled), [None] * len(buckets)
+        inv_scale = fused_step.inverse(scale.state_tensors(device)[0])
+        self._gather_fn(raws, accs, self.buffers, inv_scale, found)
         self._gathered = _Gathered(scaler, found, _versions(buckets))
 
     def current(self, buckets: Sequence[Bucket],

@@ -71,7 +71,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._left_out = param_groups.left_out(self.param_groups, self._buckets)
         device = next(p for g in self.param_groups for p in g["params"]).device
         self._init_device_state(device)
-        self.folding = GradientFolding(self._fns.fold_grads, device)
+        self.folding = GradientFolding(self._fns.fold_grads, device, self._fns.unscale_grads)
         """Which scale the gradients carry and what was folded (folding.py)."""
         self.master_grads = MasterGrads(self._fns.gather_grads)  # see master_params
         checkpoint.expose_state(self)
@@ -188,14 +188,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         for bucket in self._buckets:
             bucket.sync_from_params()
         gathered = self.master_grads.current(self._buckets, scaler)
+        unscaled = self.folding.unscaled is not None
         if gathered is not None:
             self._step_from_gathered(gathered.scaler or self._unit, gathered.found)
+        elif unscaled:
+            self._step_from_unscaled()
         elif not self.folding.folds_nothing():
             self._step_from_folded(pending)
         else:
             self._fused_step([b.grad for b in self._buckets], scaler,
                              check=scaler is not None or self.max_grad_norm is not None)
-        self.folding.raw_scaler = None
+        # Unscaled gradients stay in .grad: another backward into them must fold them first.
+        self.folding.raw_scaler = self._unit if unscaled else None
         return loss
 
     @property
@@ -277,6 +281,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         """
         _check_scaler_arg(scaler, "unscale_")
         exits.resolve_for(self)
+        self._settle_unscaled()
         folding = self.folding
         if scaler is None and folding.raw_scaler is None and not folding.folds_nothing():
             return  # everything since the last backward is folded already
@@ -298,6 +303,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         """A backward with `scaler` is about to add to the gradients: resolve the exit they
         wait in, and fold them if they carry another scaler's scale."""
         exits.resolve_for(self)
+        scaled_graphs.release_dropped(self, self._flat_params)
+        self._settle_unscaled()
+        if self.folding.raw_scaler is self._unit and self._all_grads_dropped():
+            self.folding.raw_scaler = None  # `model.zero_grad()` dropped the unscaled ones
         if self.folding.carries_other(scaler):
             self.unscale_(self.folding.raw_scaler)
 
@@ -308,6 +317,40 @@ class FusedOptimizer(torch.optim.Optimizer):
     def fold_exit(self, scaler: LossScaler, flag: torch.Tensor) -> None:
         """Resolve a scale_loss exit into `flag` (Note [Apex's scale_loss exits])."""
         self.folding.fold_exit(scaler, flag, *self._fold_buffers(), owner=self)
+
+    def unscale_exit(self, scaler: LossScaler, flag: torch.Tensor) -> None:
+        """A scale_loss exit: unscale `.grad` in place, overflow into `flag` (Note [.grad after
+        a scale_loss exit] in folding.py)."""
+        raws, accs, keep = [], [], []
+        for b in self._buckets:
+            b.sync_from_params()
+            if b.master is not None and b.acc is None:
+                b.acc = torch.zeros(b.grad.shape, dtype=torch.float32, device=self._device)
+            raws.append(b.grad)
+            accs.append(b.acc)
+            keep.append(b.master is not None)
+        self.folding.unscale_exit(scaler, flag, raws, accs, tuple(keep), owner=self)
+        self.folding.raw_scaler = self._unit
+
+    def _settle_unscaled(self) -> None:
+        if self.folding.unscaled is not None:
+            self.folding.settle_unscaled(*self._fold_buffers())
+
+    def _all_grads_dropped(self) -> bool:
+        return all(p.grad is None for p in self._flat_params())
+
+    def _step_from_unscaled(self) -> None:
+        # Note [.grad after a scale_loss exit]: the kept fp32 sums, or .grad as written since.
+        buckets = self._buckets
+        unscaled = self.folding.unscaled
+        edited = unscaled.absorb_edits([b.grad for b in buckets], [b.acc for b in buckets])
+        grads = [b.acc if keep else b.grad for b, keep in zip(buckets, unscaled.keep)]
+        self._fused_step(grads, None, check=edited or self.max_grad_norm is not None,
+                         found_in=self.folding.found())
+        for b, keep in zip(buckets, unscaled.keep):
+            if keep:
+                b.acc.zero_()
+        self.folding.end_round()
 
     def agree_exit_flag_(self, flag: torch.Tensor) -> None:
         """OR an exit's flag over this optimizer's process group, if it has one."""
@@ -343,7 +386,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "master_params")
         for bucket in self._buckets:
             bucket.sync_from_params()
-        self.master_grads.gather(self._buckets, scaler, self._unit, self._device)
+        sources = None
+        unscaled = self.folding.unscaled
+        if unscaled is not None:  # Note [.grad after a scale_loss exit]: unscaled already
+            b = self._buckets
+            unscaled.absorb_edits([x.grad for x in b], [x.acc for x in b])
+            sources = [x.acc if keep else x.grad for x, keep in zip(b, unscaled.keep)]
+        self.master_grads.gather(self._buckets, scaler, self._unit, self._device, sources)
 
     def _step_from_gathered(self, scaler: LossScaler, found: torch.Tensor) -> None:
         # The gathered gradients hold the folded ones and the raw ones, unscaled.

@@ -21,26 +21,29 @@ __all__ = ["scale_loss", "unscale_"]
 def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0,
                model: Optional[torch.nn.Module] = None, delay_unscale: bool = False,
                delay_overflow_check: bool = False, *,
-               unscale_on_exit: bool = False) -> Iterator[torch.Tensor]:
+               unscale_on_exit: Optional[bool] = None) -> Iterator[torch.Tensor]:
     """Apex's `amp.scale_loss`: yields `loss.float() * scale` for `backward()`.
 
     As in Apex, each call's gradients are unscaled by the scale this loss was multiplied by and
     checked on their own; the scale moves by that call's overflow, and on overflow the next
-    step of every optimizer passed here is skipped (Note [Apex's scale_loss exits]): with one
-    optimizer the fused step does all of it, so `.grad` still carries the scale after the
-    block. `delay_unscale=True` leaves the gradients scaled for a later call (gradient
-    accumulation); `delay_overflow_check` changes nothing. An optimizer that did not come from
-    `initialize` (e.g. with enabled=False) gets the loss unchanged.
+    step of every optimizer passed here is skipped (Note [Apex's scale_loss exits]). After the
+    block `.grad` holds the unscaled gradients, as in Apex, so code that clips
+    `model.parameters()` or logs gradient norms there sees real values (one fused pass, no
+    host read; Note [.grad after a scale_loss exit] in folding.py). `delay_unscale=True` leaves
+    the gradients scaled for a later call (gradient accumulation); `delay_overflow_check`
+    changes nothing. An optimizer that did not come from `initialize` (e.g. with
+    enabled=False) gets the loss unchanged.
 
     Args:
-        unscale_on_exit: leave the unscaled gradients in `.grad` of the optimizers' parameters
-            on exit, as Apex's O1 did, for code that reads or clips `model.parameters()` grads
-            before the step (`fxamp.optim.unscale_` on each optimizer; costs two extra passes).
+        unscale_on_exit: False leaves `.grad` scaled after the block and lets the fused step
+            unscale (one pass fewer, for loops that read no gradient before the step); default
+            (None): unscale unless `delay_unscale`.
 
     Raises:
         ConfigError: `loss_id` not an int (a LossScaler passed third is named, with or
             without `initialize`), outside the `num_losses` given to `initialize`,
-            `unscale_on_exit` with `delay_unscale`, an optimizer not from `initialize` in a list.
+            `unscale_on_exit=True` with `delay_unscale`, an optimizer not from `initialize` in a
+            list.
     """
     opts = tuple(optimizers) if isinstance(optimizers, (list, tuple)) else (optimizers,)
     scalers = getattr(opts[0], "loss_scalers", None) if opts else None
@@ -58,10 +61,10 @@ def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0,
         for opt in opts:
             opt.after_backward(scaler)
         return
-    exits.close(scaler, opts)
-    if unscale_on_exit:
-        for opt in opts:
-            unscale_(opt)
+    if unscale_on_exit is False:
+        exits.close(scaler, opts)
+    else:
+        exits.unscale(scaler, opts)
 
 
 def _check_loss_id_type(loss_id: Any) -> None:
@@ -86,9 +89,9 @@ def _check_scale_loss(opts: tuple, num_losses: int, loss_id: Any, delay_unscale:
         if not isinstance(opt, (FusedOptimizer, FP16_Optimizer)):
             raise ConfigError(f"optimizers[{i}] is a {type(opt).__name__}; pass the optimizers "
                               "fxamp.optim.initialize returned")
-    if not isinstance(unscale_on_exit, bool):
-        raise ConfigError(f"unscale_on_exit={unscale_on_exit!r} must be True or False")
-    if unscale_on_exit and delay_unscale:
+    if unscale_on_exit is not None and not isinstance(unscale_on_exit, bool):
+        raise ConfigError(f"unscale_on_exit={unscale_on_exit!r} must be True, False or None")
+    if unscale_on_exit is True and delay_unscale:
         raise ConfigError("unscale_on_exit=True with delay_unscale=True: delay_unscale leaves "
                           "the gradients scaled for a later scale_loss; pass one of them")
 

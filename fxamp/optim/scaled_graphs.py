@@ -11,18 +11,27 @@ takes the scaler (or `zero_grad`) marks the recorded graphs done for that optimi
 finds no scaler at all looks at the scalers with unfinished graphs (a weak set: a scaler nobody
 holds drops out) and walks their graphs to the parameters they reach; if they reach its own, it
 refuses. The walk happens on that path only; the usual loop adds no work beyond the append.
+
+The record follows the gradients: a parameter whose `.grad` is None had its gradient dropped
+(`model.zero_grad()`, `p.grad = None`) after every backward recorded so far, so it carries no
+scale. The check leaves such parameters out, and a `scale_loss` entry (the last moment before
+a new backward could create their `.grad` again) marks done, for its optimizers, every record
+that reaches none of their other parameters (`release_dropped`): Apex's multi-loss loop, where
+a generator's loss reaches the discriminator and `D.zero_grad()` drops it, is not refused.
+Gradients zeroed in place (`zero_grad(set_to_none=False)` on a module) cannot be told from
+gradients still holding the scale, and stay refused.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from fxamp.errors import ConfigError
 
-__all__ = ["ScaledGraphs", "check_no_pending_scale", "release_pending"]
+__all__ = ["ScaledGraphs", "check_no_pending_scale", "release_pending", "release_dropped"]
 
 # Scalers whose `ScaledGraphs` hold roots; see the Note. Weak: it keeps no scaler alive.
 _AWAITING: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -83,18 +92,44 @@ def check_no_pending_scale(optimizer: Any, params: list[torch.Tensor], call: str
     scaler that it has not stepped with reach its parameters."""
     for scaler in list(_AWAITING):
         graphs = scaler.scaled_graphs
-        if optimizer in graphs.done or not graphs.roots or not graphs.reaches(params):
+        if optimizer in graphs.done or not graphs.roots or not graphs.reaches(
+                [p for p in params if p.grad is not None]):  # None: dropped since
             continue
         name = type(optimizer).__name__
+        what = f"master_params({name})" if call == "master_params" else f"{name}.{call}()"
         raise ConfigError(
-            f"{name}.{call}() was called without a scaler, but the gradients carry the scale "
+            f"{what} was called without a scaler, but the gradients carry the scale "
             f"of {scaler!r} (scaler.scale(loss) was backpropagated into this {name}'s "
             f"parameters; scale {scaler.get_scale():g}): stepping would apply an update that "
-            f"many times too large. Call {call}(scaler) with that scaler, which unscales, skips "
-            "on overflow and moves the scale; or opt.zero_grad() to drop these gradients")
+            f"many times too large. {_FIXES[call]}; or opt.zero_grad() to drop these "
+            "gradients")
+
+
+# What each refused call should be instead; master_params takes no scaler, unscale_ does.
+_FIXES = {
+    "step": "Call step(scaler) with that scaler, which unscales, skips on overflow and moves "
+            "the scale",
+    "unscale_": "Call unscale_(scaler) with that scaler",
+    "master_params": "Call fxamp.optim.unscale_(optimizer, scaler) with that scaler first "
+                     "(master_params then yields the unscaled gradients, and step() takes "
+                     "them, skipping on overflow), or backpropagate through "
+                     "amp.scale_loss(loss, optimizer)",
+}
 
 
 def release_pending(optimizer: Any) -> None:
     """`optimizer` dropped its gradients (zero_grad): no scaled graph awaits its step."""
     for scaler in list(_AWAITING):
         scaler.scaled_graphs.mark_done(optimizer)
+
+
+def release_dropped(optimizer: Any, params: Callable[[], list[torch.Tensor]]) -> None:
+    """Before a backward: the records whose graphs reach only parameters of `optimizer` whose
+    `.grad` is None (dropped) await its step no more (see the Note). `params` is called only if
+    a record awaits `optimizer`."""
+    for scaler in list(_AWAITING):
+        graphs = scaler.scaled_graphs
+        if optimizer in graphs.done or not graphs.roots:
+            continue
+        if not graphs.reaches([p for p in params() if p.grad is not None]):
+            graphs.mark_done(optimizer)

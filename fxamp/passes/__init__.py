@@ -50,7 +50,7 @@ class _LazyGraph:
 
 
 def _float8(gm: fx.GraphModule, bodies: list[fx.GraphModule], config: AmpConfig,
-            history) -> int:
+            history, grad_enabled: bool) -> int:
     # GEMMs inside higher-order op bodies are recorded (explain() names them) but not
     # rewritten: a custom Function's forward runs without autograd, so its backward GEMMs
     # would never reach float8.
@@ -59,14 +59,15 @@ def _float8(gm: fx.GraphModule, bodies: list[fx.GraphModule], config: AmpConfig,
     for body in bodies:
         decide_gemms(body, config, rewritable=False)
     decide_gemms(gm, config)
-    return rewrite_gemms(gm, config, history)
+    return rewrite_gemms(gm, config, history, grad_enabled=grad_enabled)
 
 
 def run_passes(gm: fx.GraphModule, config: AmpConfig, fake_mode, *,
-               float8_history=None) -> PassStats:
+               float8_history=None, grad_enabled: bool = True) -> PassStats:
     """Run the fxamp passes in place on a pre-dispatch ATen graph with fake `meta['val']`.
 
     `float8_history`: the model's Float8History, for float8 delayed scaling.
+    `grad_enabled`: the grad mode `gm` was traced in (Dynamo guards on it).
     """
     assert config.is_resolved, "run_passes needs a config resolved for a device"
     annotated = annotate(gm, config, fake_mode)  # forward bodies of higher-order ops too
@@ -74,7 +75,7 @@ def run_passes(gm: fx.GraphModule, config: AmpConfig, fake_mode, *,
     checked = sum(validate(g, config) for g in graphs)
     inserted = sum(insert_casts(g) for g in graphs)
     removed = sum(remove_dead_casts(g) for g in graphs)
-    float8 = _float8(gm, graphs[1:], config, float8_history)
+    float8 = _float8(gm, graphs[1:], config, float8_history, grad_enabled)
     for g in graphs:
         g.graph.lint()
         g.recompile()

@@ -19,6 +19,7 @@ import torch.fx as fx
 from fxamp._compat import ENTER_AUTOCAST, EXIT_AUTOCAST, OpOverload, pytree
 from fxamp.config import AmpConfig
 from fxamp.errors import FxampError
+from fxamp.passes.aliasing import Aliasing
 from fxamp.passes.hops import body_inputs, hop_spec
 from fxamp.policy import LOW_DTYPES, CastPolicy
 from fxamp.provenance import is_boundary_cast
@@ -80,11 +81,6 @@ def _leaf_positions(node: fx.Node) -> list[Optional[int]]:
     return positions
 
 
-def _mutated_positions(op: OpOverload) -> set[int]:
-    return {i for i, a in enumerate(op._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write}
-
-
 def _target_dtype(policy: CastPolicy, eligible: list[torch.dtype], low: torch.dtype):
     if policy is CastPolicy.LOWER:
         return low
@@ -103,17 +99,17 @@ def _has_dtype_arg(node: fx.Node) -> bool:
     return node.kwargs.get("dtype") is None and (len(node.args) <= i or node.args[i] is None)
 
 
-def _decide(node: fx.Node, vals: list[Any], config: AmpConfig) -> OpDecision:
+def _decide(node: fx.Node, vals: list[Any], config: AmpConfig,
+            aliasing: Aliasing) -> OpDecision:
     if node.target in USER_CAST_OPS and is_boundary_cast(node):
         return OpDecision(CastPolicy.KEEP, BOUNDARY_REASON, tuple(_dtype(v) for v in vals), {},
                           boundary=True)
     policy, reason = choose_policy(node, config)
-    low = config.dtype
     device = config.device_type
     eligible_idx = [i for i, v in enumerate(vals) if _eligible(v, device)]
     decision = OpDecision(policy, reason, tuple(_dtype(v) for v in vals), {})
     if not eligible_idx or policy in (CastPolicy.KEEP, CastPolicy.BANNED):
-        _lower_model_inputs(node, vals, eligible_idx, decision, config)
+        _lower_model_inputs(node, vals, eligible_idx, decision, config, aliasing)
         return decision
     if policy is CastPolicy.FP32_SET_OPT_DTYPE:
         first = next((v for v in vals if isinstance(v, torch.Tensor)), None)
@@ -121,8 +117,8 @@ def _decide(node: fx.Node, vals: list[Any], config: AmpConfig) -> OpDecision:
         return decision
     positions = _leaf_positions(node)
     allowed = castable_args(node.target, policy, len(node.args))
-    blocked = _mutated_positions(node.target)  # type: ignore[arg-type]
-    target = _target_dtype(policy, [vals[i].dtype for i in eligible_idx], low)
+    blocked = aliasing.uncastable(node)
+    target = _target_dtype(policy, [vals[i].dtype for i in eligible_idx], config.dtype)
     for i in eligible_idx:
         pos = positions[i]
         if pos in blocked or (allowed is not None and pos not in allowed):
@@ -135,7 +131,8 @@ def _decide(node: fx.Node, vals: list[Any], config: AmpConfig) -> OpDecision:
     return decision
 
 
-def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: AmpConfig):
+def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: AmpConfig,
+                        aliasing: Aliasing):
     # Note [O2 graph inputs]: at O2/O3 the model computes in the low dtype, so fp32 graph inputs
     # (the parameters when the backend is used without fxamp.compile, and data the caller did
     # not cast) are cast at each use, except into fp32 islands, the user's own casts and
@@ -143,22 +140,24 @@ def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: 
     # break makes any value an output, so fxamp.compile casts outputs with a module hook
     # (Note [Model-boundary casts] in cast_model.py). An fp32 value that meets low-precision
     # ones in an op that takes one dtype (a matmul after the user's fp32 autocast region)
-    # is cast the same way: the op runs in the model dtype, as autocast would run it.
+    # is cast the same way: the op runs in the model dtype, as autocast would run it. No cast
+    # detaches a view from storage written later (Note [Casts and in-place updates of views]).
     if config.cast_model_type not in LOW_DTYPES or node.target in USER_CAST_OPS:
         return
     if not isinstance(node.target, OpOverload):
         return
-    blocked = _mutated_positions(node.target)
+    blocked = aliasing.uncastable(node)
     positions = _leaf_positions(node)
     leaves = pytree.tree_leaves((node.args, node.kwargs))
-    mixed = node.target in ONE_DTYPE_OPS and any(vals[i].dtype in LOW_DTYPES
-                                                 for i in eligible_idx)
-    for i in eligible_idx:
-        leaf = leaves[i]
-        if (isinstance(leaf, fx.Node) and (leaf.op == "placeholder" or mixed)
-                and vals[i].dtype == torch.float32 and positions[i] not in blocked):
-            decision.arg_casts[i] = config.dtype
-    if decision.arg_casts and mixed:
+    castable = [i for i in eligible_idx if isinstance(leaves[i], fx.Node)
+                and vals[i].dtype == torch.float32 and positions[i] not in blocked]
+    inputs = [i for i in castable if leaves[i].op == "placeholder"]
+    # Mixed: low-precision values meet fp32 ones, counting the graph inputs cast here.
+    mixed = node.target in ONE_DTYPE_OPS and bool(
+        inputs or any(vals[i].dtype in LOW_DTYPES for i in eligible_idx))
+    cast = castable if mixed else inputs
+    decision.arg_casts.update({i: config.dtype for i in cast})
+    if len(cast) > len(inputs):
         decision.reason = f"{config.opt_level} fp32 input of a one-dtype op cast to the model dtype"
     elif decision.arg_casts and not decision.reason.startswith("O"):
         decision.reason = f"{config.opt_level} graph input cast to the model dtype"
@@ -225,6 +224,7 @@ def _annotate_graph(gm: fx.GraphModule, config: AmpConfig, fake_mode,
     env: dict[fx.Node, Any] = {}
     changed = 0
     user_autocast = _UserAutocast(config.device_type, in_user_autocast)
+    aliasing = Aliasing.of(gm.graph)
     placeholders = iter(inputs) if inputs is not None else None
     for node in gm.graph.nodes:
         if node.op == "placeholder" and placeholders is not None:
@@ -241,7 +241,8 @@ def _annotate_graph(gm: fx.GraphModule, config: AmpConfig, fake_mode,
         leaves, _ = pytree.tree_flatten((node.args, node.kwargs))
         vals = [env[x] if isinstance(x, fx.Node) else x for x in leaves]
         user_autocast.visit(node)
-        decision, body_changes = _node_decision(node, vals, config, fake_mode, user_autocast)
+        decision, body_changes = _node_decision(node, vals, config, fake_mode, user_autocast,
+                                                aliasing)
         changed += body_changes + bool(decision.arg_casts or decision.set_dtype_kwarg)
         node.meta[FXAMP_META] = decision
         env[node] = decision.val
@@ -255,7 +256,8 @@ def _fetch(gm: fx.GraphModule, node: fx.Node) -> Any:
     return operator.attrgetter(node.target)(gm)
 
 
-def _node_decision(node, vals, config, fake_mode, user_autocast) -> tuple[OpDecision, int]:
+def _node_decision(node, vals, config, fake_mode, user_autocast,
+                   aliasing) -> tuple[OpDecision, int]:
     spec = hop_spec(node.target)
     if spec is not None:
         return _hop_decision(node, vals, spec, config, fake_mode, tuple(user_autocast.stack))
@@ -264,7 +266,7 @@ def _node_decision(node, vals, config, fake_mode, user_autocast) -> tuple[OpDeci
         decision = OpDecision(CastPolicy.KEEP, user_autocast.describe(),
                               tuple(_dtype(v) for v in vals), {}, autocast_casts=region[1])
     else:
-        decision = _decide(node, vals, config)
+        decision = _decide(node, vals, config, aliasing)
     leaves = pytree.tree_leaves((node.args, node.kwargs))
     inputs_changed = any(isinstance(x, fx.Node) and v is not x.meta.get("val")
                          for x, v in zip(leaves, vals))

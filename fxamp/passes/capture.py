@@ -17,10 +17,11 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 
-from fxamp._compat import EXAMPLE_VALUE, make_fx, rename_node
+from fxamp._compat import EXAMPLE_VALUE, OpOverload, make_fx, rename_node
 
-from fxamp._compat import (SET_GRAD_ENABLED, emit_call, make_fx_tracer, pytree,
-                           retrace_subgraph)
+from fxamp._compat import (GET_DATA_ATTR, SET_GRAD_ENABLED, emit_call, make_fx_tracer, pytree,
+                           record_node, retrace_subgraph, split_returned_input, traced_record)
+from fxamp.passes.aliasing import written_positions
 from fxamp.passes.hops import HopSpec, body_inputs, hop_spec
 
 __all__ = ["to_aten", "fake_inputs", "TRAINABLE"]
@@ -41,8 +42,30 @@ def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode) ->
     return fakes
 
 
-class _Lower(fx.Interpreter):
-    """Runs a Dynamo graph for make_fx; the higher-order ops in `HOPS` stay one node each."""
+class _Run(fx.Interpreter):
+    """Runs a Dynamo graph (or a higher-order op's body) for make_fx.
+
+    Note [tensor.data is traced as detach]: Dynamo records `t.data` as `_get_data_attr(t)`, whose
+    result pre-dispatch tracing does not track: it would enter the graph as a constant holding
+    the traced (fake) value, and fail at the next op ("Please convert all Tensors to
+    FakeTensors first"; under Inductor "Cannot access data pointer"). AOTAutograd's own trace,
+    one level lower, records it as `aten.detach`, so `torch.compile(backend="aot_eager")` runs
+    it; fxamp records the same op. A write through `.data` (`m.data[:1] = v`) is then a write
+    through a detached alias, which AOTAutograd's functionalization carries to `m`, as it does
+    for the same code under plain torch.compile.
+    """
+
+    def call_function(self, target, args, kwargs):
+        if target is GET_DATA_ATTR:
+            return torch.ops.aten.detach.default(*args)
+        return _one_value_per_node(super().call_function, target, args, kwargs)
+
+    def call_method(self, target, args, kwargs):
+        return _one_value_per_node(super().call_method, target, args, kwargs)
+
+
+class _Lower(_Run):
+    """`_Run` whose higher-order ops in `HOPS` stay one node each."""
 
     def call_function(self, target, args, kwargs):
         spec = hop_spec(target)
@@ -50,6 +73,30 @@ class _Lower(fx.Interpreter):
             return _trace_hop(target, spec, args, kwargs)
         with _mixed_operands_autocast(args, kwargs):
             return super().call_function(target, args, kwargs)
+
+
+def _one_value_per_node(call, target, args: tuple, kwargs: dict) -> Any:
+    """`call(target, args, kwargs)`, its value distinct from its inputs unless it wrote one.
+
+    Note [One value per Dynamo node]: make_fx records one node per tensor object, and an op
+    that returns its input object moves the input to the op's node. For an in-place op that
+    is right: later reads of `h` after `h.add_(x)` read the `add_`. But `aten.to` returns its
+    input when the dtype already matches, and the graph is traced in fp32: with `h` bf16 at O1,
+    `h.float()` (inside torch.no_grad, to update a buffer) is a copy, yet every later read of
+    `h` would read that copy, made without gradient (conformance pattern buffer_update). So a
+    non-writing op that returns its input gets a value of its own, and the input keeps its
+    node; the aliasing that `to` may have is still known from its schema (aliasing.py).
+    """
+    inputs = {id(t): traced_record(t) for t in pytree.tree_leaves((args, kwargs))
+              if isinstance(t, torch.Tensor)}
+    out = call(target, args, kwargs)
+    if not isinstance(out, torch.Tensor) or inputs.get(id(out)) is None:
+        return out
+    node = record_node(traced_record(out))
+    if node is record_node(inputs[id(out)]) or (
+            isinstance(node.target, OpOverload) and written_positions(node.target)):
+        return out
+    return split_returned_input(out, inputs[id(out)])
 
 
 def _mixed_operands_autocast(args: tuple, kwargs: dict):
@@ -103,7 +150,7 @@ def _retrace_body(body: fx.GraphModule, inputs: list[Any]) -> fx.GraphModule:
     outer = make_fx_tracer().graph
     before = set(outer.nodes)
     with fx_traceback.preserve_node_meta():  # make_fx's subgraph tracing does not keep it on
-        aten_body = retrace_subgraph(fx.Interpreter(body).run, *inputs)
+        aten_body = retrace_subgraph(_Run(body).run, *inputs)
     # The grad-mode switches inside the body are recorded in the body and, through the
     # enclosing trace's torch-function mode, once more around the node: drop the copies.
     for node in [n for n in outer.nodes if n not in before]:

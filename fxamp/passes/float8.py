@@ -13,20 +13,19 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import re
 from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
 
-from fxamp._compat import detect_fake_mode
+from fxamp._compat import SET_GRAD_ENABLED, detect_fake_mode, size_rule_holds
 from fxamp.config import AmpConfig
 from fxamp.float8.config import Float8Config
-from fxamp.float8.delayed import PREFIX, Float8History
+from fxamp.float8.delayed import PREFIX, Float8History, history_name
 from fxamp.float8.gemm import float8_bmm, float8_linear, float8_matmul
 from fxamp.passes.annotate import short_dtype
 from fxamp.passes.float8_operands import GEMM_OPS, GemmOperands, gemm_operands
-from fxamp.provenance import module_of
+from fxamp.provenance import module_of, source_line
 
 __all__ = ["FLOAT8_META", "GemmChoice", "GEMM_OPS", "decide_gemms", "rewrite_gemms",
            "is_float8_gemm"]
@@ -78,14 +77,26 @@ def _flops(node: fx.Node) -> int:
     return total if isinstance(total, int) else 0
 
 
+# Note [Float8 GEMMs at symbolic shapes]: after Dynamo recompiles for a new batch size or
+# sequence length, M (and, for attention-style GEMMs, K or N) is a SymInt. The float8 GEMM
+# itself is shape-agnostic (amax, scale, cast and `_scaled_mm` trace at any M), so only the
+# shape rules need care: each is evaluated on the symbolic size (`size_rule_holds`), which
+# makes its answer a guard of the graph, not a specialisation to the traced value. A later
+# batch that breaks a rule (M = 2 * 17) fails the guard and recompiles, and in that graph the
+# GEMM stays in the model dtype, named; every batch that keeps the rules reuses the float8
+# graph. Sizes that depend on data (unbacked) cannot be guarded on: their GEMMs stay. The
+# number of batch entries of a per-entry batched GEMM must stay static (the GEMMs are
+# unrolled at trace time: float8_operands.py refuses it before any comparison adds a guard).
+
+
 def _shape_refusal(shape: tuple, f8: Float8Config) -> Optional[str]:
     m, k, n = shape
-    if not all(isinstance(d, int) for d in shape):
-        return f"dynamic shape M x K x N = {m} x {k} x {n}"
-    if any(d % 16 for d in shape):
-        return f"M x K x N = {m} x {k} x {n}: not all multiples of 16 (torch._scaled_mm)"
-    if min(k, n) < f8.min_dim:
-        return f"K x N = {k} x {n}: smaller than min_dim={f8.min_dim}"
+    symbolic = "" if all(isinstance(d, int) for d in shape) else " (or data-dependent)"
+    if not all(size_rule_holds(d % 16 == 0) for d in shape):
+        return (f"M x K x N = {m} x {k} x {n}: not all multiples of 16{symbolic} "
+                "(torch._scaled_mm)")
+    if not all(size_rule_holds(d >= f8.min_dim) for d in (k, n)):
+        return f"K x N = {k} x {n}: smaller than min_dim={f8.min_dim}{symbolic}"
     return None
 
 
@@ -139,11 +150,13 @@ def decide(gm: fx.GraphModule, node: fx.Node, config: AmpConfig,
     ops = gemm_operands(gm, node)
     shape = None if ops.a is None else ops.mkn
     refusal = _refusal(node, ops, config, rewritable)
+    planned = config.graph.plan_reason(module)
+    plan = "" if planned is None else f"; plan: {planned}"
     if refusal:
         dtype = short_dtype(_val(node).dtype) if isinstance(_val(node), torch.Tensor) else "-"
-        return GemmChoice(op, module, shape, False, f"{refusal}; stays {dtype}", _flops(node),
-                          ops.batch)
-    return GemmChoice(op, module, shape, True, _why(ops, config), _flops(node), ops.batch)
+        return GemmChoice(op, module, shape, False, f"{refusal}; stays {dtype}{plan}",
+                          _flops(node), ops.batch)
+    return GemmChoice(op, module, shape, True, _why(ops, config) + plan, _flops(node), ops.batch)
 
 
 def decide_gemms(gm: fx.GraphModule, config: AmpConfig, *, rewritable: bool = True) -> int:
@@ -179,41 +192,79 @@ def _erase_unused(node: Any) -> None:
         node = source
 
 
-def _history_args(gm: fx.GraphModule, node: fx.Node, history: Float8History, base: str,
-                  entries: int) -> tuple[fx.Node, ...]:
+def _history_args(gm: fx.GraphModule, node: fx.Node, history: Float8History,
+                  name: str, entries: int) -> tuple[fx.Node, ...]:
     # Note [Delayed scaling lives in the model]: the graph reads and updates the model's own
     # buffers, registered on the graph module under the same tensor (AOTAutograd lifts a graph
     # module's buffers to inputs of the compiled function and copies mutations back).
     fake_mode = detect_fake_mode([node.meta.get("val")])
     attrs = []
     for operand in ("input", "weight"):
-        name = f"{base}_{operand}"
-        tensor = history.get(name, entries)
-        gm.register_buffer(PREFIX + name, tensor)
+        full = f"{name}_{operand}"
+        tensor = history.get(full, entries)
+        gm.register_buffer(PREFIX + full, tensor)
         with gm.graph.inserting_before(node):
-            attr = gm.graph.get_attr(PREFIX + name)
+            attr = gm.graph.get_attr(PREFIX + full)
         attr.meta["val"] = fake_mode.from_tensor(tensor) if fake_mode else tensor
         attrs.append(attr)
     return tuple(attrs)
 
 
+def _ranks(gm: fx.GraphModule) -> dict[fx.Node, int]:
+    # Each GEMM's rank among its module's GEMMs of its op, float8 or not (so that a GEMM
+    # that stays at one shape does not rename the others; Note [Amax histories are named by
+    # what they measure]).
+    ranks, seen = {}, {}
+    for node in gm.graph.nodes:
+        choice = node.meta.get(FLOAT8_META)
+        if choice is not None:
+            key = (choice.module, choice.op)
+            ranks[node] = seen[key] = seen.get(key, -1) + 1
+    return ranks
+
+
+def _grad_modes(gm: fx.GraphModule, grad_enabled: bool) -> dict[fx.Node, bool]:
+    # Whether each node runs with gradients enabled: the mode the graph was traced in,
+    # switched by the no_grad regions of the forward (Note [Eval forwards leave the
+    # histories alone]).
+    modes = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is SET_GRAD_ENABLED:
+            grad_enabled = bool(node.args[0])
+        modes[node] = grad_enabled
+    return modes
+
+
+def _history_names(gm: fx.GraphModule, history: Float8History) -> dict[fx.Node, str]:
+    # Every float8 GEMM's history name, claimed for all of them before any buffer is made.
+    names, uses, ranks = {}, [], _ranks(gm)
+    for node, rank in ranks.items():
+        choice = node.meta[FLOAT8_META]
+        if choice.float8 and not is_float8_gemm(node):
+            names[node] = history_name(choice.module, choice.op, rank, choice.batch)
+            uses.append((names[node], (choice.module, choice.op, rank),
+                         source_line(node.meta.get("stack_trace"))))
+    history.claim(uses)
+    return names
+
+
 def rewrite_gemms(gm: fx.GraphModule, config: AmpConfig,
-                  history: Optional[Float8History] = None) -> int:
+                  history: Optional[Float8History] = None, *, grad_enabled: bool = True) -> int:
     """Replace every GEMM whose GemmChoice says float8; returns how many were rewritten.
-    With delayed scaling, `history` holds the amax histories the new nodes read and update."""
+    With delayed scaling, `history` holds the amax histories the new nodes read, and update
+    where gradients are enabled (`grad_enabled`: the mode the graph was traced in)."""
     rewritten = 0
-    graph_id = 0 if history is None else history.graphs_traced
+    names = {} if history is None else _history_names(gm, history)
+    modes = _grad_modes(gm, grad_enabled)
     for node in list(gm.graph.nodes):
         choice = node.meta.get(FLOAT8_META)
         if choice is None or not choice.float8 or is_float8_gemm(node):
             continue
         fn, args, kwargs = _replacement(gm, node)
+        args = (*args, config.float8.recipe)
         if history is not None:
-            base = re.sub(r"\W", "_", f"g{graph_id}_{choice.module}_{choice.op}{rewritten}")
-            args = (*args, config.float8.recipe,
-                    *_history_args(gm, node, history, base, choice.batch))
-        else:
-            args = (*args, config.float8.recipe)
+            args = (*args, *_history_args(gm, node, history, names[node], choice.batch))
+            kwargs = kwargs if modes[node] else {**kwargs, "update_history": False}
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(fn, args, kwargs)
         new.meta.update(node.meta)
@@ -223,6 +274,4 @@ def rewrite_gemms(gm: fx.GraphModule, config: AmpConfig,
         if old_right is not args[1]:
             _erase_unused(old_right)
         rewritten += 1
-    if history is not None:
-        history.graphs_traced += 1
     return rewritten

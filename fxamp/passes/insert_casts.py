@@ -4,6 +4,8 @@ Note [Why casts are inserted before autograd]: the graph this pass edits is the 
 ATen graph, which has no backward yet. AOTAutograd differentiates it afterwards, so every cast
 gets its mirror in the backward (a bf16 matmul's grad is cast back to the fp32 parameter's
 dtype) and activations saved for backward are saved in the dtype they were computed in.
+Being before functionalization too, the graph has in-place updates of views: a cast is placed
+after the last write to its source (Note [Casts and in-place updates of views] in aliasing.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from fxamp._compat import detect_fake_mode, pytree
+from fxamp.passes.aliasing import Aliasing
 from fxamp.passes.annotate import FXAMP_META, OpDecision, short_dtype
 
 __all__ = ["insert_casts", "is_fxamp_cast"]
@@ -29,30 +32,35 @@ def is_fxamp_cast(node: fx.Node) -> bool:
 
 
 class _Casts:
-    """One cast per (value, dtype); a cast of one of our casts goes back to its source."""
+    """One cast per (value, version, dtype), where a version is the last write to the value's
+    storage before its reader; a cast of one of our casts goes back to its source."""
 
     def __init__(self, graph: fx.Graph):
         self.graph = graph
-        self.cache: dict[tuple[fx.Node, torch.dtype], fx.Node] = {}
+        self.aliasing = Aliasing.of(graph)
+        self.cache: dict[tuple[fx.Node, Optional[fx.Node], torch.dtype], fx.Node] = {}
         self.count = 0
         self.placeholder_anchor: Optional[fx.Node] = None
 
     def get(self, src: fx.Node, dtype: torch.dtype, consumer: fx.Node, why: str) -> fx.Node:
-        if is_fxamp_cast(src) and _val(src.args[0]).dtype == dtype:
+        written = self.aliasing.last_write(src, consumer)
+        if is_fxamp_cast(src) and _val(src.args[0]).dtype == dtype and written is None:
             return src.args[0]  # no back-to-back inverse casts
-        key = (src, dtype)
+        key = (src, written, dtype)
         if key not in self.cache:
-            self.cache[key] = self._make(src, dtype, consumer, why)
+            self.cache[key] = self._make(src, written, dtype, consumer, why)
         return self.cache[key]
 
-    def _make(self, src: fx.Node, dtype: torch.dtype, consumer: fx.Node, why: str) -> fx.Node:
-        anchor = src
-        if src.op == "placeholder":  # keep placeholders contiguous at the top of the graph
+    def _make(self, src: fx.Node, written: Optional[fx.Node], dtype: torch.dtype,
+              consumer: fx.Node, why: str) -> fx.Node:
+        anchor = written or src
+        at_top = anchor.op == "placeholder"  # keep placeholders contiguous at the top
+        if at_top:
             anchor = self.placeholder_anchor or list(self.graph.find_nodes(op="placeholder"))[-1]
         with self.graph.inserting_after(anchor):
             cast = self.graph.create_node("call_function", _CAST, (src,), {"dtype": dtype},
                                           name=f"{src.name}_{short_dtype(dtype)}")
-        if src.op == "placeholder":
+        if at_top:
             self.placeholder_anchor = cast
         val = _val(src)
         for key in ("stack_trace", "nn_module_stack", "source_fn_stack"):
@@ -92,6 +100,7 @@ def _restore_output(node: fx.Node, dtype: torch.dtype, casts: _Casts) -> None:
     cast = casts.get(node, dtype, node, f"{node.name} back to the model dtype")
     for user in users:
         user.replace_input_with(node, cast)
+    casts.aliasing.share(cast, node)
 
 
 def insert_casts(gm: fx.GraphModule) -> int:

@@ -20,7 +20,7 @@ from fxamp.errors import ConfigError, FxampError
 from fxamp.policy.names import names_of
 from fxamp.policy.tables import ONE_DTYPE_OPS, preset_table
 from fxamp.policy.vocabulary import OVERRIDE_CHOICES, CastPolicy, NodePolicy
-from fxamp.provenance import module_chain
+from fxamp.provenance import module_chain, module_of
 
 __all__ = ["choose_policy", "match_module_override", "register_rule", "castable_args",
            "is_compute_op", "check_module_overrides", "USER_CAST_OPS", "ONE_DTYPE_OPS",
@@ -119,7 +119,16 @@ def _some(names: list[str], n: int = 6) -> str:
 
 
 def choose_policy(node: torch.fx.Node, config: AmpConfig) -> tuple[CastPolicy, str]:
-    """The policy for one call_function node and the reason, by the documented precedence."""
+    """The policy for one call_function node and the reason, by the documented precedence
+    (with the PrecisionPlan's reason for the node's module, when a plan made the config)."""
+    policy, reason = _choose_policy(node, config)
+    if config.plan_reasons and is_compute_op(node.target):
+        planned = config.graph.plan_reason(module_of(node.meta.get("nn_module_stack"))[0])
+        reason = reason if planned is None else f"{reason}; plan: {planned}"
+    return policy, reason
+
+
+def _choose_policy(node: torch.fx.Node, config: AmpConfig) -> tuple[CastPolicy, str]:
     op = node.target
     if not isinstance(op, OpOverload) or op in USER_CAST_OPS:
         return CastPolicy.KEEP, "not a castable op"

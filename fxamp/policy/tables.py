@@ -80,6 +80,12 @@ _native_multi_head_attention
 # which meets a 16-bit input and fp32 weights. They run in the low dtype, as in CUDA autocast's
 # list and Apex's (conformance pattern rnn_cell).
 _TORCH_CPU_LOWER_CELLS = "lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell"
+# The fused encoder layer nn.TransformerEncoderLayer calls in eval() under no_grad: CPU autocast
+# leaves its fast path on (the module only checks CUDA's autocast) and has no entry for it,
+# but reaches the matmuls its kernel calls, so it runs in the low dtype with the residual
+# stream 16-bit. Lowering its inputs gives that within one rounding of the input and the norm
+# weights (conformance pattern transformer_encoder_eval). CUDA autocast turns the fast path off.
+_TORCH_CPU_LOWER_FUSED = "_transformer_encoder_layer_fwd"
 _TORCH_CPU_FP32 = """
 avg_pool3d binary_cross_entropy grid_sampler polar prod prod.dim_int prod.dim_Dimname quantile
 quantile.scalar nanquantile nanquantile.scalar stft stft.center cdist grid_sampler_2d
@@ -144,7 +150,8 @@ _LISTS: Mapping[str, Mapping[str, str]] = types.MappingProxyType({
     "torch-cuda": dict(lower=_TORCH_CUDA_LOWER, fp32=_TORCH_CUDA_FP32,
                        fp32_set_opt_dtype=_TORCH_FP32_SET_OPT_DTYPE, promote=_TORCH_CUDA_PROMOTE,
                        banned=_BANNED),
-    "torch-cpu": dict(lower=_TORCH_CPU_LOWER + _TORCH_CPU_LOWER_CELLS, fp32=_TORCH_CPU_FP32,
+    "torch-cpu": dict(lower=" ".join((_TORCH_CPU_LOWER, _TORCH_CPU_LOWER_CELLS,
+                                      _TORCH_CPU_LOWER_FUSED)), fp32=_TORCH_CPU_FP32,
                       promote=_TORCH_CPU_PROMOTE),
     "apex": dict(lower=_APEX_LOWER, fp32=_APEX_FP32, promote=_APEX_PROMOTE, banned=_BANNED),
 })

@@ -11,10 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from . import corpus_autograd, corpus_hf, corpus_layers, corpus_modules
+from . import (corpus_autograd, corpus_grads, corpus_hf, corpus_layers, corpus_modules,
+               corpus_views)
 from .harness import Pattern
 
-PATTERNS: list[Pattern] = [*corpus_layers.PATTERNS, *corpus_autograd.PATTERNS,
+PATTERNS: list[Pattern] = [*corpus_layers.PATTERNS, *corpus_views.PATTERNS,
+                           *corpus_autograd.PATTERNS, *corpus_grads.PATTERNS,
                            *corpus_modules.PATTERNS, *corpus_hf.PATTERNS]
 BY_NAME = {p.name: p for p in PATTERNS}
 assert len(BY_NAME) == len(PATTERNS), "pattern names must be unique"
@@ -44,7 +46,7 @@ def cases() -> list:
     for p in PATTERNS:
         for level in p.levels:
             for dname in DTYPES:
-                out.append(pytest.param(p.name, level, dname, "aot_eager",
+                out.append(pytest.param(p.name, level, dname, p.compiler or "aot_eager",
                                         id=f"{p.name}-{level}-{dname}",
                                         marks=_marks(p, level, slow=dname != "bf16")))
             if p.inductor:

@@ -13,11 +13,6 @@ from .harness import Pattern
 
 B, D = 8, 32
 
-# The symptoms on main (2026-11-23), item numbers as in issue 10.
-NO_GRAD_CAST = ("new: at O1 the output is detached (RuntimeError: element 0 of tensors does "
-                "not require grad): `h - ema` is promoted by reusing the user's h.float() made "
-                "inside torch.no_grad() (sub.Tensor(to, add_) after _set_grad_enabled(True))")
-
 
 def _x(*shape: int) -> torch.Tensor:
     return torch.randn(*shape)
@@ -170,7 +165,7 @@ PATTERNS = [
     Pattern("tensor_hook", HOOKS, "Tensor.register_hook on an activation inside forward",
             lambda: (TensorHook(), (_x(B, D),)), inductor=True),
     Pattern("buffer_update", BUFFERS, "register_buffer updated in place in forward (EMA, counter)",
-            lambda: (RunningMean(), (_x(B, D),)), xfail={"O1": NO_GRAD_CAST}, inductor=True),
+            lambda: (RunningMean(), (_x(B, D),)), inductor=True),
     Pattern("inplace", LAYERS, "ReLU(inplace=True), Dropout(inplace=True), +=, F.leaky_relu_",
             lambda: (InPlace(), (_x(B, D),))),
     Pattern("fp64_complex_side", SIDE,

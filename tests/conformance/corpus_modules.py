@@ -17,11 +17,6 @@ from .harness import Pattern, Run
 
 B, D, T = 4, 16, 6
 
-# The symptoms on main (2026-11-23), item numbers as in issue 10.
-ENCODER_EVAL_O1 = ("issue 10 item 5: in eval() under no_grad at O1 the fused fast path runs in "
-                   "fp32: results equal fp32's bit for bit (autocast turns the fast path off); "
-                   "passes on torch 2.14")
-
 
 class Recurrent(nn.Module):
     def __init__(self, kind: str):
@@ -141,8 +136,7 @@ PATTERNS = [
             "nn.TransformerEncoder (2 post-LN layers), train()",
             _encoder, inductor=True),
     Pattern("transformer_encoder_eval", ENCODER, "nn.TransformerEncoder in eval() under no_grad "
-            "(the fused fast path)", _encoder, eval=True, grad_mode="no_grad",
-            xfail={"O1": ENCODER_EVAL_O1}, xfail_before=(2, 14)),
+            "(the fused fast path)", _encoder, eval=True, grad_mode="no_grad"),
     Pattern("resnet_channels_last", LAYERS,
             "torchvision-style ResNet, model and input channels_last",
             _resnet_channels_last, levels=("O1", "O2", "O3"), check=_keeps_channels_last,

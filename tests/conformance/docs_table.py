@@ -26,7 +26,9 @@ do not edit by hand. -->
 
 The conformance suite (`tests/conformance/`) runs each pattern below three ways on the same
 weights and batch: fp32 eager (the reference), `torch.compile(backend="aot_eager")` under
-`torch.autocast` (the peer), and `fxamp.compile(model, opt_level=...)`. It compares the loss,
+`torch.autocast` (the peer), and `fxamp.compile(model, opt_level=...)`; the double-backward
+patterns, which AOTAutograd cannot differentiate twice, use `backend="eager"` and
+`compiler="eager"` (docs/backend.md, "Double backward"). It compares the loss,
 every parameter's gradient (angle and norm of the flattened vector) and every floating buffer
 with fp32's, and passes when fxamp's error is at most K x autocast's error + a floor
 (Note [Conformance tolerance] in `tests/conformance/harness.py` gives the reasoning):

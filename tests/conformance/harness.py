@@ -63,7 +63,9 @@ class Pattern:
     the prepared model (fxamp: after fxamp.compile; peer: before compiling, as the copy of a
     plain model is what users compile); levels: the opt levels that are meaningful; xfail:
     {level or "*": the exact symptom on main}; xfail_before: the torch (major, minor) from
-    which the xfail cases pass (they then run unmarked); check: extra assertions on the subject.
+    which the xfail cases pass (they then run unmarked); check: extra assertions on the subject;
+    compiler: the fxamp compiler every case of the pattern needs (None: the suite's; "eager" for
+    double backward), the peer then compiling with torch's backend of the same name.
     """
 
     name: str
@@ -80,6 +82,7 @@ class Pattern:
     check: Optional[Callable[["Run", "Run", str], None]] = None
     inductor: bool = False
     slow: bool = False
+    compiler: Optional[str] = None
 
     def xfail_reason(self, level: str) -> Optional[str]:
         return self.xfail.get(level, self.xfail.get("*"))
@@ -160,7 +163,7 @@ def reference(pattern: Pattern, dtype: torch.dtype) -> Run:
 def peer(pattern: Pattern, dtype: torch.dtype) -> Run:
     model, inputs = pattern.fresh()
     model = pattern.copy(model) if pattern.copy else model
-    model.compile(backend="aot_eager")
+    model.compile(backend=pattern.compiler or "aot_eager")
     return _execute(pattern, model, inputs, LOSS_SCALE[dtype], dtype)
 
 

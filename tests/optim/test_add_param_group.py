@@ -4,6 +4,10 @@ torch.optim (and so GradScaler and Apex's amp, which patched torch optimizers) t
 at any time: its parameters start with no state and their own step count. fxamp gives the
 group flat buffers, fp32 masters and zeroed states of its own; the step, the state dict and
 skipping cover it; a bad group is refused before anything changes.
+
+These tests build fxamp's optimizers with their hyperparameters in the constructor, so a group
+added with only "lr" found the right defaults; an optimizer converted by `initialize` did not
+(issue 24 item 9): tests/optim/test_apex_add_param_group.py ports Apex's own test for that.
 """
 
 import pytest

@@ -66,10 +66,11 @@ def test_optimizers_convert_to_fused_or_wrapped(make_opt, expected):
 
 
 def _step(model, opt, step, loss_id=0, bad=None):
+    # The overflow goes in inside the block, as in Apex's tests: the exit checks it.
     with fo.scale_loss(loss_of(model, step), opt, loss_id=loss_id) as scaled:
         scaled.backward()
-    if bad is not None:
-        model[0].weight.grad[0, 0] = bad
+        if bad is not None:
+            model[0].weight.grad[0, 0] = bad
 
 
 def test_scale_loss_trains_and_skips_at_o2():

@@ -23,3 +23,40 @@ def test_storage_bytes_counts_a_flat_buffer_once():
     flat = torch.zeros(100)
     views = [flat[:50], flat[50:], flat]
     assert bench.storage_bytes(views + [torch.zeros(10, dtype=torch.bfloat16)]) == 420
+
+
+def _fake(nbytes: int):
+    def build(shape_list):
+        kept = [torch.zeros(nbytes, dtype=torch.uint8)]
+        return bench.Built(lambda: None, lambda: kept)
+    return build
+
+
+def _time_mode(builders, budget, monkeypatch=None):
+    from types import SimpleNamespace
+
+    from benchmarks import optimizer_groups
+
+    saved = []
+    rows, skipped = optimizer_groups.time_mode(
+        builders, [], 1, torch.device("cpu"), SimpleNamespace(warmup=0, reps=3),
+        budget_bytes=budget, save=lambda r, s: saved.append((dict(r), dict(s))))
+    return rows, skipped, saved
+
+
+def test_methods_that_do_not_fit_together_take_turns_in_groups_beside_fxamp():
+    # Note [Groups that fit]: 100 bytes of budget; fxamp keeps 40, the others 30, 30, 50, 70.
+    builders = {"fxamp": _fake(40), "a": _fake(30), "b": _fake(30), "c": _fake(50),
+                "d": _fake(70)}
+    rows, skipped, saved = _time_mode(builders, 100)
+    assert {k: r["group"] for k, r in rows.items()} == {"fxamp": 0, "a": 0, "b": 0, "c": 1}
+    assert set(skipped) == {"d"} and "does not fit" in skipped["d"]
+    assert rows["c"]["ratio"][0] > 0 and len(saved) >= 2  # saved after each group
+
+
+def test_methods_left_when_the_deadline_nears_are_recorded_as_skipped(monkeypatch):
+    from benchmarks import deadline
+
+    monkeypatch.setenv(deadline.ENV, "0")  # long past
+    rows, skipped, _ = _time_mode({"fxamp": _fake(4), "a": _fake(4)}, 100)
+    assert set(rows) == {"fxamp"} and "deadline" in skipped["a"]

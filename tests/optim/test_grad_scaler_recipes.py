@@ -3,8 +3,9 @@ and with fxamp.LossScaler(semantics="torch") swapped in, fp16 autocast on CPU, s
 
 Each recipe runs 8 iterations with inf or nan injected into the input at iterations 2 and 5 (a
 NaN loss, every gradient non-finite) and a growth interval of 2, so the scale backs off and
-grows (some recipes also overflow fp16 on their own at the first scale, 2**16). Checked: the same iterations are skipped (weights bit-identical across them), the scale
-after every iteration is the same, and the weights at the end:
+grows (some recipes also overflow fp16 on their own at the first scale, 2**16). Checked: the
+same iterations are skipped (weights bit-identical across them), the scale after every
+iteration is the same, and the weights at the end:
 - with the same torch.optim optimizer on both sides: bit-identical (the same unscale kernel and
   the same scale: the LossScaler does what GradScaler does);
 - with fxamp's fused optimizers (the step as one compiled graph pair, eager here) against

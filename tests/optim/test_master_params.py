@@ -48,7 +48,7 @@ def test_sixteen_bit_params_without_masters_are_yielded_and_clipped(dtype, level
     _, opt = _init(model, torch.optim.SGD(model.parameters(), lr=0.5), **level, **extra)
     assert all(p.dtype == dtype for p in model.parameters())
     _backward(model, opt, 0)
-    raw = [p.grad.double() / 128.0 for p in model.parameters()]
+    raw = [p.grad.double() for p in model.parameters()]  # unscaled by the exit, as in Apex
     before = [p.double() for p in model.parameters()]
     masters = list(fo.master_params(opt))
     assert [m.dtype for m in masters] == [dtype] * 4

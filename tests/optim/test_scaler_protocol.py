@@ -241,3 +241,29 @@ def test_compiled_fused_protocol_matches_eager():
     assert compiled_sd == eager_sd and eager_sd["skipped_steps"] == 1
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", 128.0])
+def test_fxamp_own_step_counts_skips_in_the_step(loss_scale):
+    model, opt, _ = _setup(fused=True)
+    scaler = fxamp.LossScaler(loss_scale, compile=False)
+    for bad in (False, True, True, False):
+        _backward(model, scaler, bad=bad)
+        opt.step(scaler)  # the prologue moves the scale and counts the skip
+        opt.zero_grad()
+    assert scaler.skipped_steps.item() == 2
+    assert scaler.get_scale() == (2.0**14 if loss_scale == "dynamic" else 128.0)
+
+
+def test_scale_loss_exits_count_skips():
+    model = torch.nn.Linear(4, 3)
+    model, opt = fo.initialize(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                               opt_level="O0", loss_scale="dynamic", compiler="aot_eager")
+    for bad in (True, False):
+        x = torch.ones(2, 4)
+        x[0, 0] = float("inf") if bad else 1.0
+        with fo.scale_loss(model(x).sum(), opt, unscale_on_exit=True) as scaled:
+            scaled.backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.loss_scalers[0].skipped_steps.item() == 1

@@ -1,0 +1,198 @@
+"""`fxamp.plan`: measure, model, choose (docs/planner.md).
+
+Each GEMM gets the cheapest precision, by the modeled time of a training step on the target,
+whose measured error stays within the budget: float8 only where float8 can run the GEMM, stays
+within the budget and beats the 16-bit dtype casts included; the 16-bit dtype where its error
+is within the budget; fp32 otherwise. Then the choices are made per module, because the
+configuration applies them per module (Note [A plan is applied per module]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
+
+import torch
+
+from fxamp import validation
+from fxamp._compat import pytree
+from fxamp.errors import ConfigError
+from fxamp.planner.cost import GemmShape, PRECISIONS, Target, as_target, cast_time, gemm_time
+from fxamp.planner.measure import GemmMeasure, measure
+from fxamp.planner.plan import FLOAT8_RECIPES, ROOT, PlannedGemm, PrecisionPlan
+from fxamp.planner.report import us
+from fxamp.prepare import backend_of
+
+__all__ = ["plan", "DEFAULT_ERROR_BUDGET"]
+
+DEFAULT_ERROR_BUDGET = 0.1  # relative error 10 %, SQNR 20 dB (docs/planner.md says why)
+_LOW = {"bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
+        "fp16": "fp16", "float16": "fp16", torch.float16: "fp16"}
+
+
+def _worst(m: GemmMeasure, candidate: str) -> tuple[float, str]:
+    errors = m.errors.get(candidate, {})
+    if not errors:
+        return (0.0, "") if candidate == "fp32" else (float("inf"), "")
+    tensor = max(errors, key=errors.get)
+    return errors[tensor], tensor
+
+
+def _cost_shape(m: GemmMeasure, scale: float) -> GemmShape:
+    rows, k, n = m.shape
+    batch = max(1, round(m.batch * scale)) if m.batch else 1
+    rows = rows if m.batch else max(1, round(rows * scale))
+    return GemmShape(rows, k, n, batch, m.grad_input, m.grad_weight)
+
+
+def _decide(m: GemmMeasure, recipe: str, low: str, budget: float,
+            times: dict[str, float]) -> tuple[str, str]:
+    e16, t16 = _worst(m, low), times.get(low)
+    if e16[0] > budget:
+        if e16[0] == float("inf"):
+            return "fp32", (f"fp32: {low} overflows (max|x| {max(m.max_abs.values()):.3g}, "
+                            f"in its {e16[1]})")
+        return "fp32", f"fp32: {low} error {e16[0]:.3g} > budget {budget:g} (in its {e16[1]})"
+    if m.float8_refusal is not None:
+        return low, f"{low}: float8 cannot run it ({m.float8_refusal}); {low} error {e16[0]:.3g}"
+    (e8, where), t8 = _worst(m, recipe), times[recipe]
+    if e8 > budget:
+        return low, (f"{low}: float8 {recipe} error {_num(e8)} > budget {budget:g} (in its "
+                     f"{where}); {low} error {e16[0]:.3g}")
+    if t8 >= t16:
+        return low, (f"{low}: float8 would take {us(t8)} >= {us(t16)} a step (its casts "
+                     f"{us(times['casts'])}); float8 error {e8:.3g} within budget")
+    return recipe, (f"float8 {recipe}: {us(t8)} vs {us(t16)} in {low} a step "
+                    f"({t16 / t8:.2f}x, casts included); error {e8:.3g} <= {budget:g}")
+
+
+def _num(x: float) -> str:
+    return "inf (overflow)" if x == float("inf") else f"{x:.3g}"
+
+
+def _planned(m: GemmMeasure, recipe: str, low: str, budget: float, target: Target,
+             scale: float) -> PlannedGemm:
+    times: dict[str, float] = {}
+    if m.shape is None:
+        precision, reason = low, f"{low}: {m.float8_refusal}; not measured"
+    else:
+        shape = _cost_shape(m, scale)
+        usable = [p for p in PRECISIONS if p not in FLOAT8_RECIPES or m.float8_refusal is None]
+        times = {p: gemm_time(shape, p, target) for p in usable}
+        precision, reason = _decide(m, recipe, low, budget, {**times, "casts": cast_time(
+            shape, target)})
+    errors = tuple((c, _worst(m, c)[0]) for c in m.errors)
+    grads = tuple(g for g, on in (("grad_input", m.grad_input), ("grad_weight", m.grad_weight))
+                  if on)
+    return PlannedGemm(**dataclasses.asdict(m.site), module_type=m.module_type,
+                       source_line=m.source_line, shape=m.shape, batch=m.batch, grads=grads,
+                       float8_refusal=m.float8_refusal, errors=errors,
+                       times=tuple(times.items()), max_abs=max(m.max_abs.values(), default=0.0),
+                       precision=precision, reason=reason)
+
+
+# Note [A plan is applied per module]: fp32 reaches a GEMM through a module override, which
+# covers every compute op of its module, and float8 is kept off through the float8
+# `skip_modules` filter, which covers every GEMM of its module. So a module with one GEMM that
+# needs fp32 runs all its GEMMs in fp32, and one with a GEMM that stays in the 16-bit dtype
+# though float8 could run it keeps all its GEMMs out of float8; each changed record says so.
+# A GEMM at the top level has no module to override: it stays in the 16-bit dtype, and says so.
+def _per_module(sites: list[PlannedGemm], recipe: str, low: str) -> list[PlannedGemm]:
+    out = []
+    for s in sites:
+        mates = [t for t in sites if t.module == s.module and t is not s]
+        if s.precision == "fp32" and s.module == ROOT:
+            s = dataclasses.replace(s, precision=low, reason=s.reason + f"; at the top level "
+                                    f"no module override can reach it: stays {low}")
+        elif s.precision != "fp32" and s.module != ROOT and any(
+                t.precision == "fp32" for t in mates):
+            s = dataclasses.replace(s, precision="fp32", reason=s.reason + "; fp32 with the "
+                                    "rest of its module (a module override covers all its ops)")
+        elif s.precision == recipe and any(t.precision == low and t.float8_refusal is None
+                                           for t in mates):
+            s = dataclasses.replace(s, precision=low, reason=s.reason + f"; stays {low} with "
+                                    "another GEMM of its module (skip_modules is per module)")
+        out.append(s)
+    return out
+
+
+def _check(model: Any, error_budget: Any, dtype: Any, recipes: Any) -> tuple[float, str, tuple]:
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"fxamp.plan takes an nn.Module, not {type(model).__name__}")
+    if backend_of(model) is not None:
+        raise ConfigError("fxamp.plan needs the model before fxamp.compile: plan the "
+                          "uncompiled model, then fxamp.compile(model, plan=plan)")
+    budget = validation.real(error_budget, "error_budget", "a relative error in (0, 1), e.g. "
+                             f"{DEFAULT_ERROR_BUDGET} (SQNR 20 dB)")
+    if not 0 < budget < 1:
+        raise ConfigError(f"error_budget={error_budget!r} must be a relative error in (0, 1), "
+                          f"e.g. {DEFAULT_ERROR_BUDGET} (SQNR 20 dB)")
+    if _LOW.get(dtype) is None:
+        raise ConfigError(f"dtype={dtype!r} is not one of 'bf16', 'fp16' (torch.bfloat16, "
+                          "torch.float16): the 16-bit dtype of the plan")
+    recipes = (recipes,) if isinstance(recipes, str) else tuple(recipes)
+    if not recipes or any(r not in FLOAT8_RECIPES for r in recipes):
+        raise ConfigError(f"recipes={recipes!r} must name float8 recipes among "
+                          f"{', '.join(map(repr, FLOAT8_RECIPES))}")
+    return budget, _LOW[dtype], recipes
+
+
+def _batch_scale(example_batch: Any, with_target: bool, batch_size: Optional[int]) -> float:
+    if batch_size is None:
+        return 1.0
+    validation.positive_int(batch_size, "batch_size")
+    inputs = example_batch[0] if with_target and isinstance(example_batch, (tuple, list)) \
+        else example_batch
+    first = next((t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor)
+                  and t.dim() > 0), None)
+    if first is None:
+        raise ConfigError("batch_size= scales the calibration batch, but its inputs hold no "
+                          "tensor with a batch dimension; leave batch_size out")
+    return batch_size / first.shape[0]
+
+
+def plan(model: torch.nn.Module, example_batch: Any,
+         loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, *,
+         target: Union[str, Target] = "h100", error_budget: float = DEFAULT_ERROR_BUDGET,
+         dtype: Any = "bf16", recipes: Sequence[str] = FLOAT8_RECIPES,
+         batches: Iterable[Any] = (), batch_size: Optional[int] = None) -> PrecisionPlan:
+    """Choose a precision for every GEMM of `model` from measurements and a cost model.
+
+    Args:
+        model: an nn.Module not yet prepared by `fxamp.compile` (it is left untouched: a
+            private fp32 copy is measured).
+        example_batch: a calibration batch: the model's inputs, or `(inputs, target)` with
+            `loss_fn`, as `fxamp.locate_overflow` takes it.
+        loss_fn: `loss_fn(output, target) -> loss`; None differentiates the sum of outputs.
+        target: "h100", "h200", "cpu" or a `fxamp.planner.Target`.
+        error_budget: the largest relative error (||x - x_fp32|| / ||x_fp32||) a GEMM's
+            output, grad_input or grad_weight may have in its chosen precision.
+        dtype: the 16-bit dtype, "bf16" (default) or "fp16".
+        recipes: the float8 recipes to consider; the plan uses the one whose plan models
+            fastest (one recipe per model: Float8Config has one).
+        batches: more calibration batches (errors and ranges are the worst over all).
+        batch_size: the training batch size the costs are modeled at, when larger than the
+            calibration batch: GEMM rows (batch entries of batched GEMMs) scale with it.
+
+    Returns:
+        A PrecisionPlan; apply it with `fxamp.compile(model, plan=plan)`.
+    """
+    start = time.perf_counter()
+    budget, low, recipes = _check(model, error_budget, dtype, recipes)
+    target = as_target(target)
+    scale = _batch_scale(example_batch, loss_fn is not None, batch_size)
+    device = next(t for t in (*model.parameters(), *model.buffers())).device.type
+    measures, count = measure(model, [example_batch, *batches], loss_fn,
+                              dtype=torch.bfloat16 if low == "bf16" else torch.float16,
+                              device_type=device)
+    options = []
+    for recipe in recipes:
+        sites = _per_module([_planned(m, recipe, low, budget, target, scale) for m in measures],
+                            recipe, low)
+        options.append(PrecisionPlan(target, budget, low, recipe, tuple(sites), count, scale))
+    # the fastest; between equally fast recipes (same bytes, same peak), the more accurate
+    best = min(options, key=lambda p: (p.step_time(), sum(s.error(s.precision) for s in p.sites)))
+    if not best.modules(best.recipe):
+        best = dataclasses.replace(best, recipe=None)
+    return dataclasses.replace(best, planning_seconds=time.perf_counter() - start)

@@ -1,0 +1,242 @@
+"""The precision planner (docs/planner.md): what it measures, the cost model's formulas, the
+choices on a GPT-2 and on a model with a planted outlier layer (target h100), the plan applied
+through fxamp.compile, its JSON and its refusals."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxamp
+from fxamp.errors import ConfigError
+from fxamp.float8.gemm import Float8MM
+from fxamp.planner import GemmShape, PrecisionPlan, Target
+from fxamp.planner.cost import TARGETS, cast_time, gemm_time
+from fxamp.planner.measure import candidate_errors, relative_error
+from planner_models import (gpt2, lm_loss, outlier_mlp, regression_batches, token_batch)
+
+TOY = Target("toy", 1, 2, 2, 4, 1e9)  # compute-bound everywhere: float8 always pays
+
+
+# ------------------------------------------------------------------------------ measuring
+def test_candidate_errors_match_a_float64_reference():
+    torch.manual_seed(0)
+    a, b, g = torch.randn(32, 64), torch.randn(64, 48) / 8, torch.randn(32, 48)
+    errors, max_abs = candidate_errors(a, b, g, grad_input=True, grad_weight=True,
+                                       dtype=torch.bfloat16, float8=True)
+    ref = {"output": a.double() @ b.double(), "grad_input": g.double() @ b.double().T,
+           "grad_weight": a.double().T @ g.double()}
+    q = lambda t: t.bfloat16().double()
+    bf16 = {"output": q(q(a) @ q(b)), "grad_input": q(q(g) @ q(b).T),
+            "grad_weight": q(q(a).T @ q(g))}
+    for k in ref:  # the fp32 reference is within 1e-6 of float64: errors agree to 1e-4
+        direct = float((bf16[k] - ref[k]).norm() / ref[k].norm())
+        assert errors["bf16"][k] == pytest.approx(direct, rel=1e-3, abs=1e-6)
+        assert 1e-4 < errors["bf16"][k] < 2 ** -7  # one bf16 rounding of each operand
+    a16, b16 = a.bfloat16().requires_grad_(), b.bfloat16().requires_grad_()
+    out = Float8MM.apply(a16, b16, "tensorwise")
+    out.backward(g.bfloat16())
+    assert errors["tensorwise"]["output"] == pytest.approx(
+        float((out.detach().double() - ref["output"]).norm() / ref["output"].norm()), rel=1e-3)
+    assert errors["tensorwise"]["grad_weight"] == pytest.approx(
+        float((b16.grad.double() - ref["grad_weight"]).norm() / ref["grad_weight"].norm()),
+        rel=1e-3)
+    assert max_abs["input"] == float(a.abs().max())
+
+
+def test_exact_operands_have_no_error_and_overflow_is_inf():
+    a = torch.tensor([[1.0, -2.0], [0.5, 4.0]]).repeat(8, 8)
+    errors, _ = candidate_errors(a, a.T.contiguous(), None, grad_input=False,
+                                 grad_weight=False, dtype=torch.bfloat16, float8=False)
+    assert errors["bf16"]["output"] == 0.0 and errors["fp16"]["output"] == 0.0
+    assert relative_error(torch.tensor([math.inf, 1.0]), torch.tensor([1.0, 1.0])) == math.inf
+
+
+# ------------------------------------------------------------------------------ the cost model
+def test_cost_model_is_the_documented_roofline():
+    h100 = TARGETS["h100"]
+    s = GemmShape(4096, 4096, 4096)
+    flops = 2 * 4096 ** 3
+    # three compute-bound GEMMs: 3 * 2MKN / peak
+    assert gemm_time(s, "bf16", h100) == pytest.approx(3 * flops / 989.4e12)
+    # float8: half the GEMM time plus casts: 5 bytes an element, each tensor cast twice
+    casts = 5 * 2 * 3 * 4096 ** 2 / 3350e9
+    assert cast_time(s, h100) == pytest.approx(casts)
+    assert gemm_time(s, "tensorwise", h100) == pytest.approx(3 * flops / 1978.9e12 + casts)
+    # a small GEMM is memory-bound: bytes / bandwidth, and float8 loses to its casts
+    small = GemmShape(64, 64, 64, grad_input=False)
+    assert gemm_time(small, "bf16", h100) == pytest.approx(2 * 2 * 3 * 64 * 64 / 3350e9)
+    assert gemm_time(small, "tensorwise", h100) > gemm_time(small, "bf16", h100)
+
+
+# ------------------------------------------------------------------------------ choices (h100)
+@pytest.fixture(scope="module")
+def gpt2_plan():
+    # d=2048, one layer: GEMMs large enough for float8 to pay on an H100 at the modeled
+    # training batch (512 sequences of 32 tokens), measured on 2 sequences
+    return fxamp.plan(gpt2(), token_batch(), lm_loss, target="h100", batch_size=512)
+
+
+def _by_module(plan):
+    return {s.module: s for s in plan.sites}
+
+
+def test_gpt2_plan_puts_the_large_gemms_in_float8_and_keeps_the_small_ones(gpt2_plan):
+    sites = _by_module(gpt2_plan)
+    for big in ("transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj",
+                "transformer.h.0.attn.c_attn"):
+        assert sites[big].precision == gpt2_plan.recipe, sites[big].reason
+        assert sites[big].reason.startswith(f"float8 {gpt2_plan.recipe}: ")
+        assert sites[big].error(gpt2_plan.recipe) <= 0.1
+    for small in ("lm_head", "transformer.h.0.attn.c_proj"):  # 2048 x 512, 2048 x 2048
+        assert sites[small].precision == "bf16"
+        assert "bf16: float8 would take" in sites[small].reason
+    attention = [s for s in gpt2_plan.sites if s.module == "transformer.h.0.attn"]
+    assert len(attention) == 2 and all(s.precision == "bf16" and "float8 cannot run it ("
+                                       "attention-style" in s.reason for s in attention)
+    assert gpt2_plan.step_time() < gpt2_plan.step_time("bf16")
+    assert gpt2_plan.step_time() < gpt2_plan.step_time(gpt2_plan.recipe)
+
+
+@pytest.fixture(scope="module")
+def outlier_plan():
+    return fxamp.plan(outlier_mlp(2048, 8192, 16), (torch.randn(64, 2048), torch.randn(64, 16)),
+                      F.mse_loss, target="h100", batch_size=16384)
+
+
+def test_outlier_layer_stays_bf16_for_its_float8_error(outlier_plan):
+    sites = _by_module(outlier_plan)
+    assert sites["0"].precision in ("tensorwise", "rowwise"), sites["0"].reason
+    assert sites["2"].precision == "bf16"
+    assert sites["2"].error("tensorwise") > 0.5 and sites["2"].error("rowwise") > 0.5
+    assert "bf16: float8 " in sites["2"].reason and "> budget 0.1 (in its output)" in \
+        sites["2"].reason
+    assert sites["2"].max_abs >= 1e6  # its input's planted feature
+    assert sites["4"].precision == "bf16" and "float8 would take" in sites["4"].reason
+    text = outlier_plan.explain()
+    assert "fxamp precision plan | target h100 | error budget 0.1" in text
+    assert "float8: 1 of 3 GEMMs" in text
+
+
+def test_fp16_plan_keeps_the_outlier_layer_in_fp32():
+    model = outlier_mlp()
+    plan = fxamp.plan(model, regression_batches(1)[0], F.mse_loss, target=TOY, dtype="fp16")
+    sites = _by_module(plan)
+    assert sites["2"].precision == "fp32" and sites["2"].reason.startswith("fp32: fp16 overflows")
+    assert plan.module_overrides() == {"2": "fp32"}
+    assert plan.to_config().module_overrides == (("2", "fp32"),)
+
+
+# ------------------------------------------------------------------------------ applying
+def _train(model, batches, **kw):
+    fxamp.compile(model, compiler="aot_eager", **kw)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for x, y in batches:
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return sum(losses[-20:]) / 20
+
+
+def test_planned_training_lands_within_half_percent_of_bf16_where_all_float8_does_not():
+    # The toy target makes float8 pay for every GEMM, so only the measured errors decide:
+    # the outlier layer stays bf16, the two others run in float8.
+    batches = regression_batches(60)
+    plan = fxamp.plan(outlier_mlp(), batches[0], F.mse_loss, target=TOY)
+    assert [s.precision for s in plan.sites] == [plan.recipe, "bf16", plan.recipe]
+    bf16 = _train(outlier_mlp(), batches, opt_level="O1")
+    planned = _train(outlier_mlp(), batches, plan=plan)
+    all_float8 = _train(outlier_mlp(), batches, opt_level="O1", float8="tensorwise")
+    assert abs(planned - bf16) <= 0.005 * bf16, (planned, bf16)
+    assert all_float8 > 1.2 * bf16, (all_float8, bf16)
+
+
+def test_compile_with_a_plan_shows_its_reasons_in_explain():
+    batch = regression_batches(1)[0]
+    plan = fxamp.plan(outlier_mlp(), batch, F.mse_loss, target=TOY)
+    model = fxamp.compile(outlier_mlp(), plan=plan, compiler="aot_eager")
+    config = fxamp.config_of(model)
+    assert config.float8.recipe == plan.recipe and config.float8.skip_modules == ("2",)
+    report = fxamp.explain(model, batch[0])
+    gemms = {g.module: g for g in report.gemms}
+    assert gemms["0"].float8 and f"plan: float8 {plan.recipe}: " in gemms["0"].reason
+    assert not gemms["2"].float8 and "skip_modules '2'; stays bf16; plan: bf16: float8" in \
+        gemms["2"].reason
+    rows = [r for r in report.rows if r.module == "2" and r.op.startswith("linear")]
+    assert rows and "plan: bf16: float8" in rows[0].reason
+
+
+# ------------------------------------------------------------------------------ JSON, refusals
+def test_json_round_trip(tmp_path):
+    plan = fxamp.plan(outlier_mlp(), regression_batches(1)[0], F.mse_loss, target=TOY)
+    assert PrecisionPlan.from_json(plan.to_json()) == plan
+    path = str(tmp_path / "plan.json")
+    plan.to_json(path)
+    loaded = PrecisionPlan.from_json(path)
+    assert loaded == plan and loaded.to_config() == plan.to_config()
+    with pytest.raises(ConfigError, match=r"not an fxamp plan \(version 1\): the JSON has no "
+                                          r"'fxamp_plan': 1 key"):
+        PrecisionPlan.from_json('{"sites": []}')
+    with pytest.raises(ConfigError, match="malformed fxamp plan JSON"):
+        PrecisionPlan.from_json('{"fxamp_plan": 1, "sites": []}')
+    edited = plan.to_json().replace('"precision": "bf16"', '"precision": "fp8"')
+    with pytest.raises(ConfigError, match=r"plan site '2' \(linear_1\): precision 'fp8' is not "
+                                          r"one of 'fp32', 'bf16', 'rowwise'"):
+        PrecisionPlan.from_json(edited)
+
+
+def test_a_promotion_is_a_new_plan_and_a_new_config():
+    plan = fxamp.plan(outlier_mlp(), regression_batches(1)[0], F.mse_loss, target=TOY)
+    promoted = plan.with_precision("0", "fp32", "promoted by hand")
+    assert promoted.to_config().module_overrides == (("0", "fp32"),)
+    assert promoted.float8_config().skip_modules == ("0", "2")
+    assert dict(promoted.reasons())["0"] == "promoted by hand"
+    with pytest.raises(ConfigError, match="module 'head' has no GEMM in this plan"):
+        plan.with_precision("head", "fp32", "")
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(target="a100"), "target='a100' is not one of 'h100', 'h200', 'cpu' or a "
+                          "fxamp.planner.Target"),
+    (dict(error_budget=1.5), "error_budget=1.5 must be a relative error in (0, 1), e.g. 0.1"),
+    (dict(error_budget=0), "error_budget=0 must be a relative error in (0, 1)"),
+    (dict(error_budget="0.1"), "error_budget='0.1' (str) must be a relative error in (0, 1)"),
+    (dict(dtype="fp8"), "dtype='fp8' is not one of 'bf16', 'fp16'"),
+    (dict(recipes=("delayed",)), "recipes=('delayed',) must name float8 recipes among "
+                                 "'tensorwise', 'rowwise'"),
+    (dict(batch_size=0), "batch_size=0"),
+])
+def test_bad_arguments_are_refused_by_name_and_leave_the_model_alone(kwargs, message):
+    model = outlier_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError) as info:
+        fxamp.plan(model, regression_batches(1)[0], F.mse_loss, **kwargs)
+    assert message in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_compile_refuses_a_plan_it_cannot_apply_before_changing_the_model():
+    plan = fxamp.plan(outlier_mlp(), regression_batches(1)[0], F.mse_loss, target=TOY)
+    other = outlier_mlp()
+    with pytest.raises(ConfigError, match=r"the plan names modules \['2', '4'\] that "
+                                          "Sequential does not have"):
+        fxamp.compile(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()), plan=plan)
+    with pytest.raises(ConfigError, match="float8= conflicts with plan=: the plan sets float8"):
+        fxamp.compile(other, plan=plan, float8="rowwise")
+    with pytest.raises(ConfigError, match="fxamp.compile got plan= and config="):
+        fxamp.compile(other, plan=plan, config=fxamp.AmpConfig.from_opt_level("O1"))
+    with pytest.raises(ConfigError, match="plan= takes a fxamp.plan"):
+        fxamp.compile(other, plan="plan.json")
+    assert fxamp.backend_of(other) is None
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(),
+                                                 outlier_mlp().state_dict().values()))
+
+
+def test_plan_reasons_are_checked_with_the_config():
+    with pytest.raises(ConfigError, match=r"plan_reasons=\(\('0', 1\),\) must be a tuple of "
+                                          r"\(module path, reason\) string pairs"):
+        fxamp.AmpConfig.from_opt_level("O1", plan_reasons=(("0", 1),))
