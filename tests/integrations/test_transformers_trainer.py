@@ -119,3 +119,10 @@ def test_other_compile_backends_and_orphaned_schedulers_are_refused(tmp_path):
         Trainer(model=model, args=_args(tmp_path),
                 optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)))
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_torch_compile_backend_fxamp_is_accepted_and_the_args_left_alone(tmp_path):
+    args = _args(tmp_path, torch_compile_backend="fxamp")
+    trainer = Trainer(model=tiny_gpt2.model(), args=args, opt_level="O1", compiler="aot_eager")
+    assert trainer.accelerator.state.dynamo_plugin.backend.value == "NO"  # fxamp compiles
+    assert (args.torch_compile, args.torch_compile_backend) == (True, "fxamp")
