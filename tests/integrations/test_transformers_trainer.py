@@ -69,11 +69,13 @@ def _logged(trainer, key):
 @pytest.mark.parametrize("precision, opt_level, rel", [("fp16", "O2", 2e-2),
                                                        ("bf16", "O1", 3e-2)])
 def test_logged_grad_norms_are_the_fp32_runs(tmp_path, precision, opt_level, rel):
-    ref = transformers.Trainer(model=tiny_gpt2.model(), args=_args(tmp_path / "ref"),
-                               train_dataset=Rows())
+    accumulate = dict(gradient_accumulation_steps=2)  # two scaled backwards per step
+    ref = transformers.Trainer(model=tiny_gpt2.model(), train_dataset=Rows(),
+                               args=_args(tmp_path / "ref", **accumulate))
     ref.train()
-    trainer = Trainer(model=tiny_gpt2.model(), args=_args(tmp_path, **{precision: True}),
-                      train_dataset=Rows(), opt_level=opt_level, compiler="aot_eager")
+    trainer = Trainer(model=tiny_gpt2.model(), train_dataset=Rows(), opt_level=opt_level,
+                      args=_args(tmp_path, **{precision: True}, **accumulate),
+                      compiler="aot_eager")
     trainer.train()
     dtype = {"O2": torch.float16, "O1": torch.float32}[opt_level]
     assert next(trainer.model.parameters()).dtype == dtype
