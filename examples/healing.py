@@ -76,16 +76,17 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, hostile: bool = True, layers: int = 2):
+    def __init__(self, hostile: tuple[int, ...] = (0,), layers: int = 2):
         super().__init__()
-        self.blocks = nn.Sequential(*(Block(hostile and i == 0) for i in range(layers)))
+        self.blocks = nn.Sequential(*(Block(i in hostile) for i in range(layers)))
         self.head = nn.Linear(DIM, DIM)
 
     def forward(self, x):
         return self.head(self.blocks(x))
 
 
-def build(hostile: bool = True, seed: int = 0) -> nn.Module:
+def build(hostile: tuple[int, ...] = (0,), seed: int = 0) -> nn.Module:
+    """The transformer, with the hostile attention in the blocks numbered in `hostile`."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Transformer(hostile)

@@ -148,14 +148,18 @@ class Healer:
         self._batch = batch  # a reference, not a copy: the locator reruns the latest batch
         if self.steps % self.every or self.exhausted:
             return None
-        skipped, scale = torch.stack([self.scaler.skipped_steps.double(),
-                                      self.scaler.scale_tensor.double()]).tolist()
+        skipped, scale = self._read()
         new = int(skipped) - (self._skipped_at_read or 0)
         self._skipped_at_read = int(skipped)
         at_floor = self.scaler.dynamic and scale <= self.scaler.rule.min_scale
         if new < self.skips and not (new and at_floor):
             return None
         return self._heal(new, scale)
+
+    def _read(self) -> tuple[float, float]:
+        # The one host read, every `every` steps: the skip counter and the scale together.
+        return tuple(torch.stack([self.scaler.skipped_steps.double(),
+                                  self.scaler.scale_tensor.double()]).tolist())
 
     def _locate_scale(self, scale: float) -> float:
         return self.scaler.rule.min_scale if self.scaler.dynamic else scale
