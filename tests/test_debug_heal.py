@@ -104,6 +104,16 @@ def test_promotions_are_bounded_with_a_warning(caplog):
     assert len(healer.reports) == 1
 
 
+def test_each_hostile_module_is_promoted_in_turn():
+    model = _fp16(healing.build(hostile=(0, 1)))
+    with pytest.warns(RuntimeWarning, match="2 promotions made"):
+        losses, scaler, healer = healing.train(model, healing.batches(8), fp16=False,
+                                               heal=True, every=2, skips=2, max_promotions=2)
+    assert [(p.key, p.step) for p in healer.promotions] == [(SCORES, 2),
+                                                             ("blocks.1.attn.scores", 4)]
+    assert int(scaler.skipped_steps) == 4 and all(math.isfinite(x) for x in losses[4:])
+
+
 def test_resumed_run_keeps_the_promotions(runs):
     _, model, _, (_, _, healer) = runs
     state = healer.state_dict()
