@@ -85,6 +85,32 @@ def test_loss_scale_backoff_alone_is_never_healed():
     assert fxamp.config_of(model).module_overrides == ()
 
 
+class TopLevelExp(torch.nn.Module):
+    """A hand-written softmax at the top level: no module to promote, so the op is."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(healing.DIM, healing.DIM)
+
+    def forward(self, x):
+        h = 12 * self.fc(x)
+        e = torch.exp(h)  # > 65504 in fp16
+        return e / e.sum(dim=-1, keepdim=True)
+
+
+def test_an_op_outside_every_module_is_promoted_by_name():
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _fp16(TopLevelExp())
+    losses, scaler, healer = healing.train(model, healing.batches(6), fp16=False, heal=True,
+                                           every=2, skips=2)
+    (p,) = healer.promotions
+    assert (p.kind, p.key, p.module, p.op) == ("op_overrides", "aten.exp", "",
+                                               "aten.exp.default")
+    assert int(scaler.skipped_steps) == 2 and all(math.isfinite(x) for x in losses[2:])
+    assert fxamp.config_of(model).op_overrides == (("aten.exp", "fp32"),)
+
+
 def test_no_host_read_between_reads():
     model = _fp16(healing.build(hostile=()))
     scaler = fxamp.LossScaler(compile=False)
@@ -178,3 +204,15 @@ def test_300_steps_land_within_one_percent_of_fp32():
                                            every=4)
     assert [p.key for p in healer.promotions] == [SCORES] and int(scaler.skipped_steps) <= 4
     assert abs(healing.tail(healed) / healing.tail(ref) - 1) < 0.01
+
+
+@pytest.mark.slow
+def test_1000_steps_of_scale_backoff_are_never_healed():
+    # Every skip runs the locator (skips=1): the scale grows every 20 clean steps and overflows.
+    model = healing.build(hostile=())
+    scaler = fxamp.LossScaler(init_scale=2.0**40, growth_interval=20, max_loss_scale=None,
+                              compile=False)
+    _, scaler, healer = healing.train(model, healing.batches(1000), fp16=True, heal=True,
+                                      scaler=scaler, every=10, skips=1)
+    assert int(scaler.skipped_steps) >= 40 and len(healer.reports) >= 20
+    assert healer.promotions == [] and fxamp.config_of(model).module_overrides == ()

@@ -65,11 +65,13 @@ class Promotion:
                 f"{self.loss_scale:g}; source {self.source_line or '?'}")
 
 
-def _promotion(site: Any, step: int, loss_scale: float) -> Optional[Promotion]:
+def _promotion(site: Any, config: AmpConfig, step: int,
+               loss_scale: float) -> Optional[Promotion]:
     kind = next((k for k in _KINDS if k in site.fix), None)
     if kind is None:
         return None
-    key = site.module if kind == "module_overrides" else list(dict(site.fix[kind]))[-1]
+    had = dict(getattr(config, kind))  # the fix is these overrides plus the new fp32 key
+    key = next(k for k, v in dict(site.fix[kind]).items() if v == "fp32" and had.get(k) != v)
     return Promotion(step, kind, key, site.source_op or site.op, site.module, site.module_type,
                      site.phase, site.source_line, float(loss_scale))
 
@@ -169,7 +171,8 @@ class Healer:
         report = locate_overflow(self.model, self._batch, self.loss_fn, loss_scale=at)
         self.reports.append(report)
         site = report.site
-        promotion = None if site is None else _promotion(site, self.steps, at)
+        promotion = None if site is None else _promotion(site, report.config,
+                                                                 self.steps, at)
         if promotion is None:
             why = "no op overflows at that scale: the loss scale's own backoff" \
                 if site is None else site.suggestion
