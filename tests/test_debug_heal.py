@@ -72,6 +72,15 @@ def test_promotion_is_logged_with_op_module_and_source_line(caplog):
     assert "healing.py:" in text and "planted" in text
 
 
+def test_a_skip_at_the_floor_scale_heals_at_once():
+    model = _fp16(healing.build())
+    scaler = fxamp.LossScaler(init_scale=1.0, compile=False)  # already at the floor
+    _, scaler, healer = healing.train(model, healing.batches(4), fp16=False, heal=True,
+                                      scaler=scaler, every=2, skips=100)
+    assert [(p.key, p.step) for p in healer.promotions] == [(SCORES, 2)]
+    assert int(scaler.skipped_steps) == 2
+
+
 def test_loss_scale_backoff_alone_is_never_healed():
     # No hostile op: a scale that starts at 2**40 and doubles after every 2 clean steps keeps
     # overflowing the backward; the locator runs (at the floor scale) and promotes nothing.

@@ -135,7 +135,7 @@ class Healer:
         self.reports: list[Any] = []
         """The locator's reports, oldest first."""
         self.steps = 0
-        self._skipped_at_read: Optional[int] = None
+        self._skipped_at_read = 0  # the scaler's count at the last read
         self._batch: Any = None
 
     @property
@@ -151,7 +151,7 @@ class Healer:
         if self.steps % self.every or self.exhausted:
             return None
         skipped, scale = self._read()
-        new = int(skipped) - (self._skipped_at_read or 0)
+        new = int(skipped) - self._skipped_at_read
         self._skipped_at_read = int(skipped)
         at_floor = self.scaler.dynamic and scale <= self.scaler.rule.min_scale
         if new < self.skips and not (new and at_floor):
@@ -171,8 +171,7 @@ class Healer:
         report = locate_overflow(self.model, self._batch, self.loss_fn, loss_scale=at)
         self.reports.append(report)
         site = report.site
-        promotion = None if site is None else _promotion(site, report.config,
-                                                                 self.steps, at)
+        promotion = None if site is None else _promotion(site, report.config, self.steps, at)
         if promotion is None:
             why = "no op overflows at that scale: the loss scale's own backoff" \
                 if site is None else site.suggestion
@@ -223,7 +222,7 @@ class Healer:
         """
         try:
             promotions = [Promotion(**p) for p in state["promotions"]]
-            steps, skipped = int(state["steps"]), state["skipped_at_read"]
+            steps, skipped = int(state["steps"]), int(state["skipped_at_read"])
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"Healer.load_state_dict: not a Healer.state_dict() ({e!r}); "
                               "expected keys 'promotions', 'steps', 'skipped_at_read'") from e
