@@ -7,7 +7,7 @@ from fxamp.float8 import Float8Config
 from fxamp.errors import BannedOpError, ConfigError, EagerRegionWarning, FxampError
 from fxamp.policy import CastPolicy
 from fxamp.explain import Explanation, explain
-from fxamp.debug import SkipMonitor, locate_overflow, range_stats
+from fxamp.debug import Healer, SkipMonitor, locate_overflow, range_stats
 from fxamp import distributed, optim
 from fxamp.optim import (LossScaler, initialize, load_state_dict, master_params, scale_loss,
                          state_dict)
@@ -30,6 +30,7 @@ __all__ = [
     "compile",
     "config_of",
     "SkipMonitor",
+    "Healer",
     "locate_overflow",
     "range_stats",
     "distributed",

@@ -98,6 +98,9 @@ class FxampBackend:
         self.model: Optional[torch.nn.Module] = None
         # Whether the model's first call found FSDP2-sharded modules (None: not called yet).
         self.sharded_at_first_call: Optional[bool] = None
+        # The CompileSettings the model was prepared with (set by prepare.compile_module), so that
+        # fxamp.recompile.recompile can prepare it again alike.
+        self.settings: Any = None
 
     def for_module(self, path: str, module_type: type) -> "FxampBackend":
         """A backend for the forward of the submodule at `path`, recording its graphs with

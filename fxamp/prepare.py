@@ -202,7 +202,7 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
             fn, backend=fxamp_backend.for_module(path, module_type), dynamic=settings.dynamic,
             fullgraph=settings.fullgraph))
 
-    fxamp_backend.model = model
+    fxamp_backend.model, fxamp_backend.settings = model, settings
     _compat.set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
                                                   None if record is None else unprepare, record,
                                                   first_call))

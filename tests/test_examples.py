@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -56,3 +58,12 @@ def test_planner_example_plans_saves_applies_and_explains():
     assert "loaded plan equal: True" in out
     assert "skip_modules '2'; stays bf16; plan: bf16: float8 rowwise error 1 > budget 0.1" in out
     assert "step 2: loss" in out
+
+
+@pytest.mark.slow
+def test_healing_promotes_the_planted_op_and_lands_near_fp32():
+    out = _run("examples.healing")
+    assert "fp16 O1               loss nan, 300/300 steps skipped" in out
+    assert "promoted module 'blocks.0.attn.scores' to fp32 at step 4" in out
+    healed = next(line for line in out.splitlines() if line.startswith("fp16 O1 + fxamp.Healer"))
+    assert float(healed.split(", ")[-1].split("%")[0]) < 1.0
