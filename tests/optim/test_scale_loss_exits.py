@@ -54,11 +54,16 @@ def _pair(level):
     return models, opts, [make_mlp(), make_mlp(seed=1)]
 
 
-def _backward(loss, opts, used, bad_model=None):
+# Each exit as scale_loss does it by default (unscaled in .grad at once) and deferred to the
+# step (unscale_on_exit=False): the same rule either way.
+EXITS = pytest.mark.parametrize("exit_mode", [None, False], ids=["unscaled-grad", "deferred"])
+
+
+def _backward(loss, opts, used, bad_model=None, exit_mode=None):
     """One scale_loss call; records the scale the loss was multiplied by (scaled / loss)."""
     hook = None if bad_model is None else bad_model[0].weight.register_hook(
         lambda g: torch.full_like(g, INF))
-    with fo.scale_loss(loss, opts) as scaled:
+    with fo.scale_loss(loss, opts, unscale_on_exit=exit_mode) as scaled:
         used.append((scaled.detach() / loss.detach().float()).item())
         scaled.backward()
     if hook is not None:
@@ -81,8 +86,9 @@ def _assert_close(models, refs, level):
             torch.testing.assert_close(p.float(), r, rtol=0, atol=ATOL[level])
 
 
+@EXITS
 @pytest.mark.parametrize("level", list(LEVELS))
-def test_two_optimizers_each_unscale_with_the_scale_of_their_loss(level):
+def test_two_optimizers_each_unscale_with_the_scale_of_their_loss(level, exit_mode):
     # Item 1: loss0 over [opt0] overflows at step 1; Apex halves the scale at that exit, so
     # loss1 is scaled by 2**15 and opt1 unscales by 2**15 (fxamp used to unscale by the scale
     # opt0's step had just halved: a 2x update).
@@ -91,10 +97,11 @@ def test_two_optimizers_each_unscale_with_the_scale_of_their_loss(level):
     for step in range(4):
         bad = step == 1
         expected.append(apex.scale)
-        _backward(loss_of(m0, step), o0, used, bad_model=m0 if bad else None)
+        _backward(loss_of(m0, step), o0, used, bad_model=m0 if bad else None,
+                  exit_mode=exit_mode)
         skip0 = apex.exit(bad)
         expected.append(apex.scale)
-        _backward(loss_of(m1, step + 50), o1, used)
+        _backward(loss_of(m1, step + 50), o1, used, exit_mode=exit_mode)
         skip1 = apex.exit(False)
         before = snapshot(o0)
         o0.step()
@@ -110,8 +117,9 @@ def test_two_optimizers_each_unscale_with_the_scale_of_their_loss(level):
                                                      "unskipped": apex.unskipped}
 
 
+@EXITS
 @pytest.mark.parametrize("level", list(LEVELS))
-def test_overflow_is_decided_per_scale_loss_call(level):
+def test_overflow_is_decided_per_scale_loss_call(level, exit_mode):
     # Item 2: loss A over [opt0] overflows, loss B over [opt0, opt1] is clean: Apex skips
     # opt0 (A's exit patched its step) and steps opt1 with B's gradients, unscaled by the scale
     # A's exit halved.
@@ -120,10 +128,12 @@ def test_overflow_is_decided_per_scale_loss_call(level):
     for step in range(3):
         bad = step == 1
         expected.append(apex.scale)
-        _backward(loss_of(m0, step), o0, used, bad_model=m0 if bad else None)
+        _backward(loss_of(m0, step), o0, used, bad_model=m0 if bad else None,
+                  exit_mode=exit_mode)
         skip0 = apex.exit(bad)
         expected.append(apex.scale)
-        _backward(loss_of(m0, step + 50) + loss_of(m1, step + 50), [o0, o1], used)
+        _backward(loss_of(m0, step + 50) + loss_of(m1, step + 50), [o0, o1], used,
+                  exit_mode=exit_mode)
         apex.exit(False)
         before = snapshot(o0), snapshot(o1)
         o0.step()
@@ -140,11 +150,13 @@ def test_overflow_is_decided_per_scale_loss_call(level):
     _assert_close([m0, m1], refs, level)
 
 
-def test_one_call_over_two_optimizers_skips_both_when_one_overflows():
+@EXITS
+def test_one_call_over_two_optimizers_skips_both_when_one_overflows(exit_mode):
     # Apex's flag is per call: an overflow in opt1's parameters alone skips opt0 as well.
     (m0, m1), (o0, o1), _ = _pair("O0")
     before = snapshot(o0), snapshot(o1)
-    _backward(loss_of(m0, 0) + loss_of(m1, 0), [o0, o1], [], bad_model=m1)
+    _backward(loss_of(m0, 0) + loss_of(m1, 0), [o0, o1], [], bad_model=m1,
+              exit_mode=exit_mode)
     o0.step()
     o1.step()
     assert bit_identical(snapshot(o0), before[0]) and bit_identical(snapshot(o1), before[1])
