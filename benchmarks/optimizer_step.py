@@ -34,8 +34,8 @@ one after another compared different machines (three quiet runs gave fxamp 1.00x
 one step each per round, starting each round one method further on; a ratio is taken within a
 round, so a slow second slows both sides of it. Methods that do not fit in memory together
 take turns in groups, fxamp's default step in each (Note [Groups that fit] in
-benchmarks/optimizer_groups.py). Timings on a shared or busy machine are still meaningless: the header
-prints the load average; run it alone.
+benchmarks/optimizer_groups.py). Timings on a shared or busy machine are still meaningless: the
+header prints the load average; run it alone.
 """
 
 from __future__ import annotations

@@ -7,8 +7,9 @@ The loop has the shape of Apex's ImageNet example (`examples/imagenet/main_amp.p
 momentum over several param groups (a slower feature extractor, no weight decay on biases), a
 warm-up then step lr schedule, gradient clipping through `amp.master_params`, and a checkpoint
 and resume in the middle of the run. The Apex version is `BEFORE` below; `train` is the same
-loop after `from apex import amp` became `import fxamp as amp` (and `amp.state_dict()` became
-`amp_state_dict(optimizer)`: fxamp keeps no global state).
+loop after `from apex import amp` became `import fxamp as amp`, nothing else changed but the
+resume, which here happens in the same process as the run it resumes: while the old run's
+optimizer is alive, `amp.load_state_dict(sd, optimizer)` says which `initialize` call loads.
 
 Two batches are corrupt (their images are inf), as a bad record in a real dataset would be:
 their loss and gradients are not finite, so Apex's dynamic scaler skips those steps and halves
@@ -31,7 +32,6 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
 import fxamp as amp
-from fxamp.optim import amp_state_dict, load_amp_state_dict
 
 BEFORE = """\
 from apex import amp
@@ -146,7 +146,7 @@ def _build(settings: Settings):
 def _checkpoint(model, optimizer, scheduler) -> bytes:
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "amp": amp_state_dict(optimizer), "scheduler": scheduler.state_dict()}, buffer)
+                "amp": amp.state_dict(), "scheduler": scheduler.state_dict()}, buffer)
     return buffer.getvalue()
 
 
@@ -155,7 +155,7 @@ def _resume(settings: Settings, saved: bytes):
     ckpt = torch.load(io.BytesIO(saved), weights_only=True)
     model.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
-    load_amp_state_dict(optimizer, ckpt["amp"])
+    amp.load_state_dict(ckpt["amp"], optimizer)  # the checkpointed run is alive here too
     scheduler.load_state_dict(ckpt["scheduler"])
     return model, optimizer, scheduler
 
@@ -168,7 +168,7 @@ def train(settings: Settings, batches, *, resume_at: Optional[int] = None) -> Ru
         if step == resume_at:
             model, optimizer, scheduler = _resume(settings, _checkpoint(model, optimizer,
                                                                         scheduler))
-        run.scales.append(amp_state_dict(optimizer)["loss_scaler0"]["loss_scale"])
+        run.scales.append(amp.state_dict(optimizer)["loss_scaler0"]["loss_scale"])
         optimizer.zero_grad()
         loss = F.cross_entropy(model(x).float(), y)
         with amp.scale_loss(loss, optimizer) as scaled_loss:

@@ -288,9 +288,9 @@ unscale_and_check_ = torch._amp_foreach_non_finite_check_and_unscale_
 from torch._ops import HigherOrderOperator  # noqa: E402
 
 SET_GRAD_ENABLED = torch._C._set_grad_enabled
-# What Dynamo records for `tensor.data` (a detached alias). Pre-dispatch make_fx does not track
-# its result (it would bake the traced value into the graph as a constant), while the
-# dispatch-level trace AOTAutograd runs records it as `aten.detach`. Checked on 2.13.0.
+# What Dynamo records for `tensor.data` (an alias without autograd history or a shared version
+# counter). Pre-dispatch make_fx does not track its result (it would bake the traced value into
+# the graph as a constant), so capture.py records the call itself. Checked on 2.13.0.
 GET_DATA_ATTR = torch._C._autograd._get_data_attr
 
 

@@ -198,8 +198,9 @@ class FusedOptimizer(torch.optim.Optimizer):
         else:
             self._fused_step([b.grad for b in self._buckets], scaler,
                              check=scaler is not None or self.max_grad_norm is not None)
-        # Unscaled gradients stay in .grad: another backward into them must fold them first.
-        self.folding.raw_scaler = self._unit if unscaled else None
+        # Unscaled gradients stay in .grad (the gathered path took them): another backward into
+        # them must fold them first.
+        self.folding.raw_scaler = self._unit if unscaled and gathered is None else None
         return loss
 
     @property

@@ -45,19 +45,19 @@ def fake_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any], fake_mode) ->
 class _Run(fx.Interpreter):
     """Runs a Dynamo graph (or a higher-order op's body) for make_fx.
 
-    Note [tensor.data is traced as detach]: Dynamo records `t.data` as `_get_data_attr(t)`, whose
-    result pre-dispatch tracing does not track: it would enter the graph as a constant holding
-    the traced (fake) value, and fail at the next op ("Please convert all Tensors to
-    FakeTensors first"; under Inductor "Cannot access data pointer"). AOTAutograd's own trace,
-    one level lower, records it as `aten.detach`, so `torch.compile(backend="aot_eager")` runs
-    it; fxamp records the same op. A write through `.data` (`m.data[:1] = v`) is then a write
-    through a detached alias, which AOTAutograd's functionalization carries to `m`, as it does
-    for the same code under plain torch.compile.
+    Note [tensor.data is traced as .data]: Dynamo records `t.data` as `_get_data_attr(t)`,
+    whose result pre-dispatch tracing does not track: it would enter the graph as a constant
+    holding the traced (fake) value, and fail at the next op ("Please convert all Tensors to
+    FakeTensors first"; under Inductor "Cannot access data pointer"). So the call is recorded
+    by hand, the node Dynamo had: AOTAutograd traces it as under plain torch.compile, and
+    `compiler="eager"` runs it for real. Not `aten.detach`: a detached alias shares the version
+    counter, `.data` does not, so a write through `.data` into a tensor saved for backward
+    (`y = h * h; h.data.zero_()`) would fail autograd's check where eager PyTorch runs it.
     """
 
     def call_function(self, target, args, kwargs):
-        if target is GET_DATA_ATTR:
-            return torch.ops.aten.detach.default(*args)
+        if target is GET_DATA_ATTR:  # recorded by hand: make_fx does not track its result
+            return emit_call(target, args, kwargs, target(*args, **kwargs))
         return _one_value_per_node(super().call_function, target, args, kwargs)
 
     def call_method(self, target, args, kwargs):

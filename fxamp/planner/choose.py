@@ -10,6 +10,7 @@ configuration applies them per module (Note [A plan is applied per module]).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
@@ -25,6 +26,8 @@ from fxamp.planner.report import us
 from fxamp.prepare import backend_of
 
 __all__ = ["plan", "DEFAULT_ERROR_BUDGET"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_ERROR_BUDGET = 0.1  # relative error 10 %, SQNR 20 dB (docs/planner.md says why)
 _LOW = {"bf16": "bf16", "bfloat16": "bf16", torch.bfloat16: "bf16",
@@ -195,4 +198,7 @@ def plan(model: torch.nn.Module, example_batch: Any,
     best = min(options, key=lambda p: (p.step_time(), sum(s.error(s.precision) for s in p.sites)))
     if not best.modules(best.recipe):
         best = dataclasses.replace(best, recipe=None)
-    return dataclasses.replace(best, planning_seconds=time.perf_counter() - start)
+    best = dataclasses.replace(best, planning_seconds=time.perf_counter() - start)
+    log.info("fxamp.plan: %d GEMMs, float8 %s: %s; fp32: %s", len(best.sites), best.recipe,
+             best.modules(best.recipe or ""), best.modules("fp32"))
+    return best

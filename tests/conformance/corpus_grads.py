@@ -88,6 +88,12 @@ def _data_write(self, h):
     return torch.tanh(h)
 
 
+def _data_write_saved(self, h):
+    y = h * h  # saves h for backward; a write through .data does not trip autograd's check
+    h.data.mul_(0.5)
+    return y + h
+
+
 def _detach_write(self, h):
     h.detach().mul_(0.5)
     return torch.tanh(h)
@@ -120,6 +126,9 @@ PATTERNS = [
             _stack(_detach_read)),
     Pattern("data_write", DATA, "h.data[:1] = 0 on an activation in forward",
             _stack(_data_write)),
+    Pattern("data_write_saved", DATA,
+            "h.data.mul_(0.5) on an activation saved for backward (y = h * h)",
+            _stack(_data_write_saved)),
     Pattern("detach_write", DATA, "h.detach().mul_(0.5) on an activation in forward",
             _stack(_detach_write)),
     Pattern("param_data_read", DATA, "a parameter's .data read in forward",

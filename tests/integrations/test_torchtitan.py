@@ -89,3 +89,23 @@ def test_without_the_config_module_the_section_is_missing():
     job = ConfigManager().parse_args(BASE + ["--model.converters", "fxamp"])
     with pytest.raises(ConfigError, match="custom_config_module fxamp.integrations.torchtitan"):
         build_model_converters(job, ParallelDims(**DIMS))
+
+
+def _doc_blocks(lang):
+    import doc_snippets
+
+    text = open(f"{doc_snippets.ROOT}/docs/integrations.md").read()
+    return [b.body for b in doc_snippets.blocks(text) if b.lang == lang and "fxamp" in b.body]
+
+
+def test_the_docs_command_line_and_toml_enable_fxamp(tmp_path):
+    (command,) = _doc_blocks("bash")
+    flags = command.replace("\\\n", " ").split("-m torchtitan.train", 1)[1].split()
+    flags = flags[flags.index("--job.config_file") + 2:]  # the TOML is checked below
+    (toml,) = _doc_blocks("toml")
+    (tmp_path / "job.toml").write_text(toml)
+    for argv in (flags, ["--job.config_file", str(tmp_path / "job.toml")]):
+        job = ConfigManager().parse_args(argv)
+        (converter,) = build_model_converters(job, ParallelDims(**DIMS)).converters
+        assert (converter.config.opt_level, converter.config.dtype) == ("O1", torch.bfloat16)
+        assert converter.config.float8.recipe == "tensorwise"

@@ -69,11 +69,13 @@ def _logged(trainer, key):
 @pytest.mark.parametrize("precision, opt_level, rel", [("fp16", "O2", 2e-2),
                                                        ("bf16", "O1", 3e-2)])
 def test_logged_grad_norms_are_the_fp32_runs(tmp_path, precision, opt_level, rel):
-    ref = transformers.Trainer(model=tiny_gpt2.model(), args=_args(tmp_path / "ref"),
-                               train_dataset=Rows())
+    accumulate = dict(gradient_accumulation_steps=2)  # two scaled backwards per step
+    ref = transformers.Trainer(model=tiny_gpt2.model(), train_dataset=Rows(),
+                               args=_args(tmp_path / "ref", **accumulate))
     ref.train()
-    trainer = Trainer(model=tiny_gpt2.model(), args=_args(tmp_path, **{precision: True}),
-                      train_dataset=Rows(), opt_level=opt_level, compiler="aot_eager")
+    trainer = Trainer(model=tiny_gpt2.model(), train_dataset=Rows(), opt_level=opt_level,
+                      args=_args(tmp_path, **{precision: True}, **accumulate),
+                      compiler="aot_eager")
     trainer.train()
     dtype = {"O2": torch.float16, "O1": torch.float32}[opt_level]
     assert next(trainer.model.parameters()).dtype == dtype
@@ -119,3 +121,10 @@ def test_other_compile_backends_and_orphaned_schedulers_are_refused(tmp_path):
         Trainer(model=model, args=_args(tmp_path),
                 optimizers=(opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)))
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_torch_compile_backend_fxamp_is_accepted_and_the_args_left_alone(tmp_path):
+    args = _args(tmp_path, torch_compile_backend="fxamp")
+    trainer = Trainer(model=tiny_gpt2.model(), args=args, opt_level="O1", compiler="aot_eager")
+    assert trainer.accelerator.state.dynamo_plugin.backend.value == "NO"  # fxamp compiles
+    assert (args.torch_compile, args.torch_compile_backend) == (True, "fxamp")

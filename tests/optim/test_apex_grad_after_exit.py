@@ -249,3 +249,27 @@ def test_the_compiled_exit_unscale_equals_the_eager_one(dtype):
     tol = {} if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_a_wrapped_optimizer_gets_the_unscaled_sum_in_grad_too():
+    """A torch optimizer with no fused counterpart (RMSprop: FP16_Optimizer) at O0: after two
+    exits `.grad` is the unscaled sum and three steps equal torch.optim.RMSprop in fp32 exactly
+    (power-of-two scales divide exactly)."""
+    model, ref = make_mlp(), make_mlp()
+    model, opt = fo.initialize(model, torch.optim.RMSprop(model.parameters(), lr=1e-3),
+                               opt_level="O0", loss_scale="dynamic", compiler="aot_eager")
+    assert isinstance(opt, fo.FP16_Optimizer)
+    ref_opt = torch.optim.RMSprop(ref.parameters(), lr=1e-3)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for k in (step, step + 5):
+            with fo.scale_loss(loss_of(model, k), opt) as scaled:
+                scaled.backward()
+        (loss_of(ref, step) + loss_of(ref, step + 5)).backward()
+        for p, r in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, r.grad, rtol=0, atol=0)
+        opt.step()
+        ref_opt.step()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=0, atol=0)
