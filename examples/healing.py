@@ -11,7 +11,7 @@ so at fp16 O1 every step is skipped. Three 300-step runs on the same data:
    `blocks.0.attn.scores`, promotes that module to fp32, recompiles, and the run lands within
    1 % of fp32's loss.
 
-    python examples/healing.py [steps]      # about a minute on a 2-core CPU
+    python examples/healing.py [steps]      # 1 to 4 minutes on a 2-core CPU, by load
 
 See docs/debugging_overflow.md ("Healing during training").
 """

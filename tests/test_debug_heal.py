@@ -129,7 +129,7 @@ def test_no_host_read_between_reads():
     assert read.call_count == 2
 
 
-def test_promotions_are_bounded_with_a_warning(caplog):
+def test_promotions_are_bounded_with_a_warning():
     model = _fp16(healing.build(hostile=(0, 1)))
     with pytest.warns(RuntimeWarning, match="healing stops here"):
         losses, scaler, healer = healing.train(model, healing.batches(12), fp16=False,
