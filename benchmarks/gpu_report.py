@@ -9,7 +9,9 @@ Stages, in priority order (benchmarks/gpu_stages.py: Note [Shares of the time le
 parts of a stage run side by side, each with its log DIR/<part>.log and its results file:
   tests           pytest -m gpu: tests/gpu/test_cuda_optim.py (the fused step against fp32
                   AdamW, the step under set_sync_debug_mode("error"), kernels per step) and
-                  tests/gpu/test_cuda_parity.py (torch's CUDA autocast lists)
+                  tests/gpu/test_cuda_parity.py (torch's CUDA autocast lists), and
+                  tests/gpu/test_planner_roofline.py (the planner's modeled GEMM times
+                  against measured ones; -s prints the table into its log)
   optimizer       benchmarks.optimizer_step: 1B parameters in 128 tensors, O2 with a bf16 model:
                   fxamp's default, low_memory, compensated and stochastic+int8 formats against
                   fused AdamW + GradScaler, torch's eager O2 and torchao's AdamW8bit (where it
@@ -72,9 +74,10 @@ def _module(name: str, *args: str) -> list[str]:
 
 
 def _tests(out: str, smoke: bool) -> list[Part]:
-    files = ({"gpu": "tests/gpu"} if smoke else  # without CUDA both files only skip: one part
-             {"optim": "tests/gpu/test_cuda_optim.py", "autocast": "tests/gpu/test_cuda_parity.py"})
-    return [Part(f"tests-{name}", _module("pytest", "-m", "gpu", path, "-v", "-p",
+    files = ({"gpu": "tests/gpu"} if smoke else  # without CUDA the files only skip: one part
+             {"optim": "tests/gpu/test_cuda_optim.py", "autocast": "tests/gpu/test_cuda_parity.py",
+              "planner": "tests/gpu/test_planner_roofline.py"})
+    return [Part(f"tests-{name}", _module("pytest", "-m", "gpu", path, "-v", "-s", "-p",
                                           "no:cacheprovider", f"--junitxml={out}/tests-{name}.xml"),
                  f"{out}/tests-{name}.xml") for name, path in files.items()]
 
