@@ -68,8 +68,9 @@ class FxampConverter:
         config = AmpConfig.from_opt_level(options.opt_level, dtype=options.dtype,
                                           float8=options.float8 or None)
         # torchtitan builds the model on the meta device and converts it there: the device it
-        # will compute on is the accelerator's (torchtitan's own choice), else the CPU.
-        accelerator = torch.accelerator.current_accelerator()
+        # will compute on is the accelerator's (torchtitan's own choice), else the CPU; a CUDA
+        # build without a GPU names "cuda" unless asked for an available one.
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
         self.config = config.resolve("cpu" if accelerator is None else accelerator.type)
         self.compiler = options.compiler
 
