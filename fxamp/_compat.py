@@ -42,7 +42,7 @@ __all__ = [
     "foreach_copy_", "unscale_and_check_", "HigherOrderOperator", "SET_GRAD_ENABLED",
     "GET_DATA_ATTR", "make_fx_tracer",
     "retrace_subgraph", "emit_call", "dynamo_traces_rnns", "compile_time_metrics", "compile_cache_counters",
-    "scaled_mm", "scaled_mm_refusal", "size_rule_holds",
+    "scaled_mm", "scaled_mm_refusal", "size_rule_holds", "python_dispatcher",
 ]
 
 TORCH_VERSION: tuple[int, int] = tuple(int(p) for p in torch.__version__.split(".")[:2])
@@ -431,3 +431,14 @@ def size_rule_holds(cond: Any) -> bool:
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
     return guard_or_false(cond)
+
+
+def python_dispatcher() -> Any:
+    """The context Dynamo and make_fx trace under: ops run their Python decompositions. A
+    CompositeImplicit C++ kernel run on fake tensors with symbolic sizes may read a concrete
+    size (on 2.11.0 `aten.linear` of a 3-d input reaches `matmul`'s `numel()`: "Cannot call
+    numel() on tensor with symbolic sizes"); under it they decompose symbolically.
+    `torch._dispatch.python.enable_python_dispatcher`, checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher()

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from fxamp._compat import ENTER_AUTOCAST, EXIT_AUTOCAST, OpOverload, pytree
+from fxamp._compat import ENTER_AUTOCAST, EXIT_AUTOCAST, OpOverload, python_dispatcher, pytree
 from fxamp.config import AmpConfig
 from fxamp.errors import FxampError
 from fxamp.passes.aliasing import Aliasing
@@ -170,7 +170,7 @@ def _run(node: fx.Node, vals: list[Any], decision: OpDecision, fake_mode) -> Any
     args, kwargs = pytree.tree_unflatten(cast_vals, pytree.tree_flatten((node.args, node.kwargs))[1])
     if decision.set_dtype_kwarg:
         kwargs = {**kwargs, "dtype": torch.float32}
-    with fake_mode:
+    with fake_mode, python_dispatcher():  # symbolic sizes decompose as when traced
         return node.target(*args, **kwargs)
 
 
