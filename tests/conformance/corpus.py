@@ -32,11 +32,6 @@ def _marks(pattern: Pattern, level: str, slow: bool) -> list:
     fixed = pattern.xfail_before is not None and TORCH_VERSION >= pattern.xfail_before
     if reason and not fixed:
         marks.append(pytest.mark.xfail(strict=True, reason=reason))
-    if pattern.name == "retain_graph" and TORCH_VERSION >= (2, 14):
-        # Found at the stop of session 23: on 2.14.1 a backward still reports donated buffers
-        # ("... requires create_graph=False and retain_graph=False"); _compat's
-        # without_donated_buffers was checked on 2.13 only. To be fixed (closing note).
-        marks.append(pytest.mark.xfail(strict=False, reason="donated buffers on torch 2.14"))
     return marks
 
 

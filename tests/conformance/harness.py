@@ -65,7 +65,9 @@ class Pattern:
     {level or "*": the exact symptom on main}; xfail_before: the torch (major, minor) from
     which the xfail cases pass (they then run unmarked); check: extra assertions on the subject;
     compiler: the fxamp compiler every case of the pattern needs (None: the suite's; "eager" for
-    double backward), the peer then compiling with torch's backend of the same name.
+    double backward), the peer then compiling with torch's backend of the same name;
+    peer_compiled: False where torch.compile + autocast itself fails the pattern on a supported
+    torch (the peer is then eager autocast: the same ops, the same numerics).
     """
 
     name: str
@@ -83,6 +85,7 @@ class Pattern:
     inductor: bool = False
     slow: bool = False
     compiler: Optional[str] = None
+    peer_compiled: bool = True
 
     def xfail_reason(self, level: str) -> Optional[str]:
         return self.xfail.get(level, self.xfail.get("*"))
@@ -163,7 +166,8 @@ def reference(pattern: Pattern, dtype: torch.dtype) -> Run:
 def peer(pattern: Pattern, dtype: torch.dtype) -> Run:
     model, inputs = pattern.fresh()
     model = pattern.copy(model) if pattern.copy else model
-    model.compile(backend=pattern.compiler or "aot_eager")
+    if pattern.peer_compiled:
+        model.compile(backend=pattern.compiler or "aot_eager")
     return _execute(pattern, model, inputs, LOSS_SCALE[dtype], dtype)
 
 
