@@ -140,7 +140,7 @@ def main() -> None:
 
 def float8_gemms(model) -> str:
     """Which forward GEMMs of the graphs fxamp compiled for `model` run in float8, and why not."""
-    graphs = fxamp.prepare.backend_of(model).compiled_graphs
+    graphs = fxamp.model.prepare.backend_of(model).compiled_graphs
     choices = [node.meta["fxamp_float8"] for graph in graphs
                for node in graph.graph_module.graph.nodes if "fxamp_float8" in node.meta]
     return "float8 GEMMs: " + ", ".join(

@@ -1,7 +1,7 @@
 """fxamp: Apex-style automatic mixed precision for PyTorch 2, as FX graph passes."""
 
 from fxamp.backend import FxampBackend, backend
-from fxamp.prepare import backend_of, compile, config_of
+from fxamp.model.prepare import backend_of, compile, config_of
 from fxamp.config import AmpConfig
 from fxamp.float8 import Float8Config
 from fxamp.errors import BannedOpError, ConfigError, EagerRegionWarning, FxampError

@@ -92,7 +92,7 @@ _REALIZE_THRESHOLDS = ("realize_reads_threshold", "realize_opcount_threshold",
 def recompute_pointwise_options() -> dict[str, int]:
     """`torch.compile(options=...)` that let Inductor recompute a pointwise value in each
     consumer instead of writing it to memory (Note [A codec the CPU runs fast] in
-    fxamp/optim/codecs.py), with the threshold names this torch has."""
+    fxamp/optim/functional/codecs.py), with the threshold names this torch has."""
     keys = inductor_config_keys()
     return {name: 1 << 30 for name in _REALIZE_THRESHOLDS if name in keys}
 
@@ -156,7 +156,7 @@ def compile_fresh(fn: Callable, **compile_kwargs: Any) -> Callable:
     cache that dies with the returned function. Checked on 2.11.0, 2.13.0, 2.14.1
     (tests/test_compat.py: twelve copies each take a graph of their own, one function taking
     the same twelve graphs hits the limit). See Note [One compiled step per optimizer] in
-    fxamp/optim/fused_step.py.
+    fxamp/optim/functional/fused_step.py.
     """
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                               fn.__defaults__, fn.__closure__)

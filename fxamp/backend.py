@@ -12,18 +12,17 @@ import torch.fx as fx
 
 from fxamp import _compat
 from fxamp.arguments import check_compiler, compiler_name
-from fxamp.compiled_call import check_storage
+from fxamp.model.compiled_call import check_storage
 from fxamp.config import AmpConfig
-from fxamp.distributed import check_ddp_order
-from fxamp.double_backward import eager_autograd, first_order_only
-from fxamp.eager_regions import without_autocast
+from fxamp.model.double_backward import eager_autograd, first_order_only
+from fxamp.model.eager_regions import without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import history_of
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.provenance import place_in_model
-from fxamp.sharded_modules import check_not_sharded_since
+from fxamp.model.sharded_modules import check_not_sharded_since
 
 __all__ = ["FxampBackend", "backend", "CompiledGraph", "Compiler"]
 
@@ -99,7 +98,7 @@ class FxampBackend:
         # Whether the model's first call found FSDP2-sharded modules (None: not called yet).
         self.sharded_at_first_call: Optional[bool] = None
         # The CompileSettings the model was prepared with (set by prepare.compile_module), so that
-        # fxamp.recompile.recompile can prepare it again alike.
+        # fxamp.model.recompile.recompile can prepare it again alike.
         self.settings: Any = None
 
     def for_module(self, path: str, module_type: type) -> "FxampBackend":
@@ -177,6 +176,25 @@ _DELAYED_NEEDS_MODEL = (
     "float8 scaling='delayed' keeps its amax histories in the model's state_dict, which a "
     "torch.compile backend does not own: use fxamp.compile(model, float8=Float8Config("
     "scaling='delayed')), or scaling='dynamic' with the backend")
+
+
+def check_ddp_order(ddp: torch.nn.Module) -> None:
+    """Raise if `ddp` (a DistributedDataParallel) was built before `fxamp.compile` changed its
+    module's parameter dtypes; see docs/distributed.md, "Wrapping order".
+
+    Raises:
+        ConfigError: a parameter's dtype differs from the dtype DDP's buckets reduce in.
+    """
+    bucket_dtypes = _compat.ddp_bucket_dtypes(ddp)
+    if bucket_dtypes is None:
+        return
+    param_dtypes = {p.dtype for p in ddp.module.parameters() if p.requires_grad}
+    if param_dtypes - bucket_dtypes:
+        raise ConfigError(
+            f"DistributedDataParallel reduces gradients in {sorted(map(str, bucket_dtypes))} but "
+            f"the model's parameters are now {sorted(map(str, param_dtypes))}: it was wrapped "
+            "before fxamp.compile cast them. Call fxamp.compile(model) first, then "
+            "DistributedDataParallel(model), then build the fxamp optimizer")
 
 
 def _check_active_ddp() -> None:

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from fxamp.compiled_call import fxamp_error
+from fxamp.model.compiled_call import fxamp_error
 from fxamp.config import OPT_LEVELS, AmpConfig
 from fxamp.errors import ConfigError, FxampError
 from fxamp.explain import explain

@@ -22,7 +22,7 @@ from typing import Any, Optional
 
 import torch
 
-from fxamp import _compat
+from fxamp.backend import check_ddp_order
 from fxamp.errors import ConfigError
 
 __all__ = ["state_dict", "load_state_dict", "save", "load", "check_ddp_order"]
@@ -104,22 +104,3 @@ def _check_scale_shards(checkpoint_id: Any, optimizer: Any, dcp_kwargs: dict) ->
              planner=DefaultLoadPlanner(allow_partial_load=True), **kwargs)
     saved = probe["optimizer"][checkpoint.SCALE_SHARDS]
     checkpoint.check_scale_shards(optimizer, None if saved == -1 else saved)
-
-
-def check_ddp_order(ddp: torch.nn.Module) -> None:
-    """Raise if `ddp` (a DistributedDataParallel) was built before `fxamp.compile` changed its
-    module's parameter dtypes; see docs/distributed.md, "Wrapping order".
-
-    Raises:
-        ConfigError: a parameter's dtype differs from the dtype DDP's buckets reduce in.
-    """
-    bucket_dtypes = _compat.ddp_bucket_dtypes(ddp)
-    if bucket_dtypes is None:
-        return
-    param_dtypes = {p.dtype for p in ddp.module.parameters() if p.requires_grad}
-    if param_dtypes - bucket_dtypes:
-        raise ConfigError(
-            f"DistributedDataParallel reduces gradients in {sorted(map(str, bucket_dtypes))} but "
-            f"the model's parameters are now {sorted(map(str, param_dtypes))}: it was wrapped "
-            "before fxamp.compile cast them. Call fxamp.compile(model) first, then "
-            "DistributedDataParallel(model), then build the fxamp optimizer")

@@ -12,14 +12,14 @@ import torch.fx as fx
 from fxamp._compat import aot_autograd, dynamo_counters, make_boxed_func, pytree
 from fxamp.backend import CompiledGraph
 from fxamp.config import AmpConfig
-from fxamp.eager_regions import eager_policy, untraced_modules
+from fxamp.model.eager_regions import eager_policy, untraced_modules
 from fxamp.debug.ranges import range_stats
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.float8 import FLOAT8_META, GemmChoice, is_float8_gemm
 from fxamp.passes.hops import policy_bodies
 from fxamp.passes.printing import format_graph
 from fxamp.provenance import module_of
-from fxamp.prepare import CompileSettings, prepare, requested_config
+from fxamp.model.prepare import CompileSettings, prepare, requested_config
 from fxamp.policy import CastPolicy
 from fxamp.policy.rules import is_compute_op
 

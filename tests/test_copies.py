@@ -1,6 +1,6 @@
 """Copies of an fxamp-compiled model are fxamp-compiled models with the same config.
 
-Note [Copies keep the compiled call] (fxamp/copies.py). Before, a copy kept fxamp's weights
+Note [Copies keep the compiled call] (fxamp/model/copies.py). Before, a copy kept fxamp's weights
 and marker but lost the compiled call: at O2 it failed with a dtype mismatch, at O1 it ran
 silently in fp32, and fxamp.compile refused it as "already prepared". A copy must give the
 original's output bit for bit (same weights, same graph) and train.

@@ -16,7 +16,7 @@ import fxamp
 from examples import healing
 from fxamp.debug.heal import Healer
 from fxamp.errors import ConfigError
-from fxamp.recompile import recompile
+from fxamp.model.recompile import recompile
 
 LOGGER = "fxamp.debug.heal"
 SCORES = "blocks.0.attn.scores"

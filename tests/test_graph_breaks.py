@@ -1,6 +1,6 @@
 """Graph breaks at O1: the code between fxamp's graphs runs under the level's policy.
 
-Note [Eager regions run under autocast] (fxamp/eager_regions.py). Before, the eager code
+Note [Eager regions run under autocast] (fxamp/model/eager_regions.py). Before, the eager code
 after a break met bf16 activations with fp32 weights (`mat1 and mat2 must have the same
 dtype`) or ran silently in fp32. Each model is trained three steps, and each step's gradients
 must match (tests/parity.py tolerances) fp32 eager and torch.compile + autocast; and with a
@@ -174,7 +174,7 @@ def test_module_override_after_a_break_names_the_module():
                           compiler="aot_eager", module_overrides={"down": "fp32"})
     assert model(torch.randn(4, 8)).dtype == torch.float32
     paths = {node.meta["nn_module_stack"][key][0]
-             for g in fxamp.prepare.backend_of(model).compiled_graphs
+             for g in fxamp.model.prepare.backend_of(model).compiled_graphs
              for node in g.graph_module.graph.nodes
              for key in node.meta.get("nn_module_stack") or {}}
     assert paths == {"up", "down"}

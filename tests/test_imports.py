@@ -1,4 +1,5 @@
-"""The package's import graph: no cycles (function-level imports included), and
+"""The package's import graph: no cycles (function-level imports included, and the
+`__init__` of every package an import runs), and
 fxamp/testing.py is for tests only (no module of fxamp imports it)."""
 
 from __future__ import annotations
@@ -44,9 +45,22 @@ def _imports(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]:
     return {name for name in out if name in modules}
 
 
+def _packages_run(name: str, importer: str, modules: dict[str, pathlib.Path]) -> set[str]:
+    """What importing module `name` from module `importer` runs: `name` and the `__init__` of
+    each package above it, but for the top-level package `fxamp` (run before any of its
+    modules) and the packages `importer` is itself in (already running when it is imported).
+    """
+    parts = name.split(".")
+    above = {".".join(parts[:i]) for i in range(2, len(parts))}
+    inside = {".".join(importer.split(".")[:i]) for i in range(1, importer.count(".") + 2)}
+    return ({name} | above) - inside & set(modules)
+
+
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    return {name: _imports(path, modules) - {name} for name, path in modules.items()}
+    return {name: set().union(*(_packages_run(dep, name, modules)
+                                for dep in _imports(path, modules))) - {name}
+            for name, path in modules.items()}
 
 
 def _cycle_from(start: str, graph: dict[str, set[str]]) -> list[str]:
@@ -69,9 +83,17 @@ def test_the_walk_finds_a_cycle():
     assert _cycle_from("d", graph) == []
 
 
+def test_importing_a_module_runs_the_packages_above_it():
+    modules = {name: ROOT for name in ("fxamp", "fxamp.a", "fxamp.a.b", "fxamp.a.b.c", "fxamp.d")}
+    assert _packages_run("fxamp.a.b.c", "fxamp.d", modules) == {"fxamp.a", "fxamp.a.b",
+                                                                "fxamp.a.b.c"}
+    assert _packages_run("fxamp.a.b.c", "fxamp.a.x", modules) == {"fxamp.a.b", "fxamp.a.b.c"}
+
+
 def test_fxamp_has_no_import_cycles():
     graph = _graph()
     assert "fxamp.passes.annotate" in graph["fxamp.passes"]  # the walk sees the package
+    assert "fxamp.optim" in graph["fxamp.distributed"]  # ... and counts its __init__
     cycles = [" -> ".join(c) for name in sorted(graph) if (c := _cycle_from(name, graph))]
     assert not cycles, "import cycles in fxamp/:\n" + "\n".join(cycles)
 

@@ -35,7 +35,7 @@ import torch
 import fxamp
 import fxamp.optim
 import zoo
-from fxamp.cast_model import boundary_forward, cast_model
+from fxamp.model.cast_model import boundary_forward, cast_model
 
 STEPS, LR, MAX_SKIPS = 5, 1e-3, 2
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}

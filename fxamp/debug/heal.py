@@ -11,7 +11,7 @@ does not depend on the scale, and a backward one that survives the floor is one 
 cannot fix. If the locator names an op that ran in 16 bits, the healer promotes it to fp32
 through the config's own overrides (the innermost module that ran it: `module_overrides`
 {path: "fp32"}; an op outside every module: `op_overrides` {op: "fp32"}), recompiles the model
-in place (fxamp/recompile.py) and logs the promotion with op, module and source line. An
+in place (fxamp/model/recompile.py) and logs the promotion with op, module and source line. An
 overflow that fp32 would not fix (the loss scale entering the backward, the loss function, an
 op already in fp32) is logged and left alone. After `max_promotions` promotions it stops and
 warns. Promotions are state: `state_dict()` holds them and `load_state_dict` re-applies them.
@@ -29,9 +29,9 @@ import torch
 from fxamp.config import AmpConfig
 from fxamp.debug.locate import locate_overflow
 from fxamp.errors import ConfigError
-from fxamp.optim.loss_scaler import LossScaler
-from fxamp.prepare import config_of
-from fxamp.recompile import recompile
+from fxamp.optim.scaling.loss_scaler import LossScaler
+from fxamp.model.prepare import config_of
+from fxamp.model.recompile import recompile
 
 __all__ = ["Healer", "Promotion"]
 

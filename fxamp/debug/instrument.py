@@ -27,7 +27,7 @@ from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.insert_casts import is_fxamp_cast
-from fxamp.prepare import CompileSettings, Prepared, prepare, requested_config
+from fxamp.model.prepare import CompileSettings, Prepared, prepare, requested_config
 from fxamp.provenance import OpSite, module_of, source_line
 
 __all__ = ["GraphRecord", "OpSite", "Origin", "InstrumentingCompiler", "origin_of", "tensors_of",
@@ -185,7 +185,7 @@ class InstrumentingCompiler:
 def prepare_private(model_or_fn: Callable, inner: Callable, *, config: Optional[AmpConfig],
                     opt_level: Optional[str], overrides: dict[str, Any]) -> Prepared:
     """`model_or_fn` prepared with the inner compiler `inner` on a private copy of a module
-    (a module `fxamp.compile` prepared keeps its config), as `fxamp.prepare` does it."""
+    (a module `fxamp.compile` prepared keeps its config), as `fxamp.model.prepare` does it."""
     return prepare(model_or_fn, requested_config(config, opt_level, overrides, "fxamp.debug"),
                    settings=CompileSettings(compiler=inner), in_place=False)
 

@@ -20,8 +20,8 @@ from fxamp.arguments import check_compiler
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.optim import FusedOptimizer, LossScaler, initialize, master_params, unscale_
-from fxamp.optim.convert import fused_class
-from fxamp.prepare import config_of
+from fxamp.optim.apex.convert import fused_class
+from fxamp.model.prepare import config_of
 
 __all__ = ["Accelerator"]
 

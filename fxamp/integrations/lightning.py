@@ -24,7 +24,7 @@ from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 import fxamp
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
-from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.scaling.loss_scaler import LossScaler
 from fxamp.optim.master_check import check_master_weights
 
 __all__ = ["Precision"]

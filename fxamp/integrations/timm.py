@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
-from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.scaling.loss_scaler import LossScaler
 
 __all__ = ["NativeScaler"]
 

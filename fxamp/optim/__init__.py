@@ -8,17 +8,17 @@ protocol; `initialize`, `scale_loss`,
 `unscale_`, `master_params`, `FP16_Optimizer` and the amp state dict helpers mirror Apex.
 """
 
-from fxamp.optim.amp_state import amp_state_dict, load_amp_state_dict, load_state_dict, state_dict
-from fxamp.optim.apex import initialize, master_params
-from fxamp.optim.fp16_optimizer import FP16_Optimizer
-from fxamp.optim.larc import LARC
-from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.apex.amp_state import amp_state_dict, load_amp_state_dict, load_state_dict, state_dict
+from fxamp.optim.apex.amp import initialize, master_params
+from fxamp.optim.apex.fp16_optimizer import FP16_Optimizer
+from fxamp.optim.apex.larc import LARC
+from fxamp.optim.scaling.loss_scaler import LossScaler
 from fxamp.optim.master_check import MasterWeightsWarning, check_master_weights
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.optim.optimizers import LAMB, SGD, Adam, AdamW
-from fxamp.optim.scale_loss import scale_loss, unscale_
-from fxamp.optim.scaler_protocol import OptState
-from fxamp.optim.state_format import StateFormat
+from fxamp.optim.apex.scale_loss import scale_loss, unscale_
+from fxamp.optim.scaling.scaler_protocol import OptState
+from fxamp.optim.buffers.state_format import StateFormat
 
 __all__ = [
     "Adam",

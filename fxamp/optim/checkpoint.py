@@ -17,7 +17,7 @@ import torch
 from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.optim import param_checks
-from fxamp.optim.codecs import BLOCK
+from fxamp.optim.functional.codecs import BLOCK
 
 
 __all__ = ["expose_state", "state_dict", "load_state_dict", "SCALE_SHARDS", "scale_shards",

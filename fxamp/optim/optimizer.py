@@ -14,16 +14,18 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import (checkpoint, distributed, exits, fused_step, param_checks,
-                         param_groups, scaled_graphs, state_buffers)
-from fxamp.optim.algorithms import Algorithm
-from fxamp.optim.bucket import Bucket
-from fxamp.optim.flat import flatten_param_groups
-from fxamp.optim.folding import GradientFolding
-from fxamp.optim.loss_scaler import LossScaler
-from fxamp.optim.master_grads import MasterGrads
-from fxamp.optim.state_format import as_state_format
-from fxamp.optim.state_format import check_params as check_state_params
+from fxamp.optim import checkpoint, distributed, param_checks, param_groups
+from fxamp.optim.buffers import state_buffers
+from fxamp.optim.functional import fused_step
+from fxamp.optim.scaling import exits, scaled_graphs
+from fxamp.optim.functional.algorithms import Algorithm
+from fxamp.optim.buffers.bucket import Bucket
+from fxamp.optim.buffers.flat import flatten_param_groups
+from fxamp.optim.scaling.folding import GradientFolding
+from fxamp.optim.scaling.loss_scaler import LossScaler
+from fxamp.optim.scaling.master_grads import MasterGrads
+from fxamp.optim.buffers.state_format import as_state_format
+from fxamp.optim.buffers.state_format import check_params as check_state_params
 
 __all__ = ["FusedOptimizer"]
 

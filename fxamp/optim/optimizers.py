@@ -7,7 +7,8 @@ from typing import Any, Optional
 
 from fxamp import validation
 from fxamp.errors import ConfigError
-from fxamp.optim import algorithms, apex_options
+from fxamp.optim.functional import algorithms
+from fxamp.optim import apex_keywords
 from fxamp.optim.distributed import AUTO
 from fxamp.optim.optimizer import FusedOptimizer
 
@@ -35,7 +36,7 @@ _COMMON_ARGS = """
 
 def _check_apex(opt: FusedOptimizer, given: dict[str, Any]) -> None:
     # Before anything is flattened: a refusal leaves the parameters as they were.
-    apex_options.check(type(opt).__name__, given, type(opt)._apex_table)
+    apex_keywords.check(type(opt).__name__, given, type(opt)._apex_table)
 
 
 def _tuple(betas: Any) -> Any:
@@ -52,7 +53,7 @@ class Adam(FusedOptimizer):
     """
 
     algorithm = algorithms.ADAM
-    _apex_table = apex_options.ADAM
+    _apex_table = apex_keywords.ADAM
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *,
@@ -76,7 +77,7 @@ class AdamW(Adam):
     """
 
     algorithm = algorithms.ADAMW
-    _apex_table = apex_options.ADAMW
+    _apex_table = apex_keywords.ADAMW
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
@@ -94,7 +95,7 @@ class SGD(FusedOptimizer):
     """
 
     algorithm = algorithms.SGD
-    _apex_table = apex_options.SGD
+    _apex_table = apex_keywords.SGD
 
     def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
@@ -127,7 +128,7 @@ class LAMB(FusedOptimizer):
     """
 
     algorithm = algorithms.LAMB
-    _apex_table = apex_options.LAMB
+    _apex_table = apex_keywords.LAMB
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, *, grad_averaging: bool = True,

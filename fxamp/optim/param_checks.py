@@ -11,7 +11,7 @@ import torch
 from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.optim.distributed import is_dtensor
-from fxamp.optim.flat import check_group_params
+from fxamp.optim.buffers.flat import check_group_params
 
 __all__ = ["as_param_list", "check_new_group", "check_added_group", "check_hyperparameters",
            "check_has_params", "check_max_grad_norm"]

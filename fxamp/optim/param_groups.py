@@ -17,8 +17,8 @@ import torch
 
 from fxamp.errors import ConfigError
 from fxamp.optim import checkpoint
-from fxamp.optim.bucket import Bucket
-from fxamp.optim.flat import flatten_group
+from fxamp.optim.buffers.bucket import Bucket
+from fxamp.optim.buffers.flat import flatten_group
 
 if TYPE_CHECKING:
     from fxamp.optim.optimizer import FusedOptimizer

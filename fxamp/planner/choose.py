@@ -23,7 +23,7 @@ from fxamp.planner.cost import GemmShape, PRECISIONS, Target, as_target, cast_ti
 from fxamp.planner.measure import GemmMeasure, measure
 from fxamp.planner.plan import FLOAT8_RECIPES, ROOT, PlannedGemm, PrecisionPlan
 from fxamp.planner.report import us
-from fxamp.prepare import backend_of
+from fxamp.model.prepare import backend_of
 
 __all__ = ["plan", "DEFAULT_ERROR_BUDGET"]
 

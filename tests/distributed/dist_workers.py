@@ -101,7 +101,7 @@ def summary(model, opt, scaler, skipped, norms):
 
 def decoded_moments(opt):
     """Adam's m and v of every parameter in fp32, whole (8-bit ones decoded per shard)."""
-    from fxamp.optim import codecs
+    from fxamp.optim.functional import codecs
 
     out = []
     for bucket, held in zip(opt.buckets, opt.bucket_states):
@@ -369,7 +369,7 @@ def float8_under_fsdp(rank):
         runs = {"sharded": run(sharded), "sharded_again": run(sharded)}
     runs.update({"float8": run(build(True)), "bf16": run(build(False))})
     choices = {n.meta["fxamp_float8"].module: n.meta["fxamp_float8"].float8
-               for g in fxamp.prepare.backend_of(sharded).compiled_graphs
+               for g in fxamp.model.prepare.backend_of(sharded).compiled_graphs
                for n in g.graph_module.graph.nodes if "fxamp_float8" in n.meta}
 
     def same(a, b):
@@ -441,7 +441,7 @@ def gpt2_under_fsdp(rank, level, float8):
         fully_shard(block)
     fully_shard(sharded)
     got, want = run(sharded), run(build())
-    choices = [n.meta["fxamp_float8"] for g in fxamp.prepare.backend_of(sharded).compiled_graphs
+    choices = [n.meta["fxamp_float8"] for g in fxamp.model.prepare.backend_of(sharded).compiled_graphs
                for n in g.graph_module.graph.nodes if "fxamp_float8" in n.meta]
     return {"same": all(torch.equal(a, b) for a, b in zip(got, want)),
             "float8": sum(c.float8 for c in choices),

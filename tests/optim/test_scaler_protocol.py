@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fxamp
 import fxamp.optim as fo
 from fxamp.errors import ConfigError
-from fxamp.optim.loss_scaler import OptState
+from fxamp.optim.scaling.loss_scaler import OptState
 from fxamp.optim.master_check import MasterWeightsWarning
 
 

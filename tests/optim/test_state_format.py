@@ -15,8 +15,8 @@ from optim_helpers import bit_identical, make_mlp, snapshot, train
 import fxamp.optim as fo
 from fxamp._compat import run_and_get_code
 from fxamp.errors import ConfigError
-from fxamp.optim import codecs
-from fxamp.optim.state_format import StateFormat
+from fxamp.optim.functional import codecs
+from fxamp.optim.buffers.state_format import StateFormat
 
 FORMATS = [StateFormat("kahan", "bf16"), StateFormat("int8_error", "int8"),
            StateFormat("stochastic", "int8"), StateFormat("fp32", "int8")]

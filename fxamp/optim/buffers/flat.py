@@ -22,9 +22,9 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim.bucket import Bucket, layout, refresh_master
+from fxamp.optim.buffers.bucket import Bucket, layout, refresh_master
 from fxamp.optim.distributed import is_dtensor
-from fxamp.optim.sharded import ShardedBucket
+from fxamp.optim.buffers.sharded import ShardedBucket
 from fxamp.policy import LOW_DTYPES
 
 __all__ = ["FlatBucket", "flatten_param_groups", "flatten_group", "check_group_params",

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from fxamp.cast_model import storage_dtype
+from fxamp.model.cast_model import storage_dtype
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.policy.rules import check_module_overrides
-from fxamp.prepare import backend_of, compile_module
+from fxamp.model.prepare import backend_of, compile_module
 
 __all__ = ["recompile"]
 

@@ -67,7 +67,7 @@ def check_copyable(model: torch.nn.Module) -> None:
             "fxamp.explain, locate_overflow and range_stats run a private copy of the model, "
             "and FSDP2 modules cannot be copied; call them on the model before fully_shard "
             "(its graphs name the same modules), or read "
-            "fxamp.prepare.backend_of(model).compiled_graphs")
+            "fxamp.model.prepare.backend_of(model).compiled_graphs")
 
 
 def modules_to_compile(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

@@ -6,10 +6,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from fxamp.optim import codecs
-from fxamp.optim.algorithms import Algorithm
-from fxamp.optim.bucket import Bucket
-from fxamp.optim.state_format import StateFormat
+from fxamp.optim.functional import codecs
+from fxamp.optim.functional.algorithms import Algorithm
+from fxamp.optim.buffers.bucket import Bucket
+from fxamp.optim.buffers.state_format import StateFormat
 
 __all__ = ["UNSIGNED_STATES", "BucketState", "allocate", "rounding"]
 

@@ -19,16 +19,16 @@ from fxamp import validation
 from fxamp.config import AmpConfig
 from fxamp.config_parts import as_loss_scale
 from fxamp.errors import ConfigError
-from fxamp.optim.scale_rule import (UNSET, build_rule, check_backoff_factor,
+from fxamp.optim.functional.scale_rule import (UNSET, build_rule, check_backoff_factor,
                                     check_growth_factor, check_growth_interval,
                                     check_new_scale, check_scale_value, compiled_update,
                                     update_in_place)
-from fxamp.optim.scaled_graphs import ScaledGraphs
-from fxamp.optim.scaler_protocol import OptimizerStates, OptState
+from fxamp.optim.scaling.scaled_graphs import ScaledGraphs
+from fxamp.optim.scaling.scaler_protocol import OptimizerStates, OptState
 from fxamp.optim.state_checks import parse_scaler_state, single_scaler_entry
 
 if TYPE_CHECKING:
-    from fxamp.optim.folding import FoldRound
+    from fxamp.optim.scaling.folding import FoldRound
 
 __all__ = ["LossScaler", "OptState"]
 

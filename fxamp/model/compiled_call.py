@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp._compat import BackendCompilerFailed, Unsupported, UserError
-from fxamp.cast_model import CastRecord, storage_dtype
+from fxamp.model.cast_model import CastRecord, storage_dtype
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError, FxampError
 

@@ -9,9 +9,9 @@ from typing import Any, Iterator, Optional
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import exits
-from fxamp.optim.fp16_optimizer import FP16_Optimizer
-from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.scaling import exits
+from fxamp.optim.apex.fp16_optimizer import FP16_Optimizer
+from fxamp.optim.scaling.loss_scaler import LossScaler
 from fxamp.optim.optimizer import FusedOptimizer
 
 __all__ = ["scale_loss", "unscale_"]

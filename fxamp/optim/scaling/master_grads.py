@@ -28,9 +28,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
-from fxamp.optim import fused_step
-from fxamp.optim.bucket import Bucket
-from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.functional import fused_step
+from fxamp.optim.buffers.bucket import Bucket
+from fxamp.optim.scaling.loss_scaler import LossScaler
 
 __all__ = ["MasterGrads"]
 

@@ -37,7 +37,7 @@ from typing import Sequence
 import torch
 
 from fxamp._compat import foreach_add_, foreach_copy_
-from fxamp.optim.bucket import Bucket, layout, refresh_master
+from fxamp.optim.buffers.bucket import Bucket, layout, refresh_master
 from fxamp.policy import LOW_DTYPES
 
 __all__ = ["ShardedBucket", "padded_numel"]

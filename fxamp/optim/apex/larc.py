@@ -22,9 +22,9 @@ import torch
 
 from fxamp import validation
 from fxamp.errors import ConfigError
-from fxamp.optim.algorithms import Algorithm, chunk_owners, per_element, tensor_norms
-from fxamp.optim.convert import fused_class, to_fused
-from fxamp.optim.bucket import Bucket
+from fxamp.optim.functional.algorithms import Algorithm, chunk_owners, per_element, tensor_norms
+from fxamp.optim.apex.convert import fused_class, to_fused
+from fxamp.optim.buffers.bucket import Bucket
 from fxamp.optim.optimizer import FusedOptimizer
 
 __all__ = ["LARC", "LARCSettings", "apply_larc", "larc_algorithm"]

@@ -13,15 +13,15 @@ import torch
 from fxamp.arguments import check_compiler, check_model_list
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
-from fxamp.optim import amp_state
-from fxamp.optim.convert import fused_class, to_fused
-from fxamp.optim.fp16_optimizer import FP16_Optimizer
-from fxamp.optim.larc import apply_larc
-from fxamp.optim.fp16_optimizer import _check_inner as check_wrappable
-from fxamp.optim.loss_scaler import LossScaler
-from fxamp.optim.master_grads import master_params_of
+from fxamp.optim.apex import amp_state
+from fxamp.optim.apex.convert import fused_class, to_fused
+from fxamp.optim.apex.fp16_optimizer import FP16_Optimizer
+from fxamp.optim.apex.larc import apply_larc
+from fxamp.optim.apex.fp16_optimizer import _check_inner as check_wrappable
+from fxamp.optim.scaling.loss_scaler import LossScaler
+from fxamp.optim.scaling.master_grads import master_params_of
 from fxamp.optim.optimizer import FusedOptimizer
-from fxamp.prepare import CompileSettings, check_model, prepare
+from fxamp.model.prepare import CompileSettings, check_model, prepare
 
 __all__ = ["initialize", "master_params"]
 

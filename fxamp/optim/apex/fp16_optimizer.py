@@ -15,11 +15,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import exits, fused_step, scaled_graphs
+from fxamp.optim.scaling import exits
+from fxamp.optim.functional import fused_step
+from fxamp.optim.scaling import scaled_graphs
 from fxamp.optim.distributed import is_dtensor
-from fxamp.optim.flat import flatten_param_groups
-from fxamp.optim.folding import GradientFolding
-from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.buffers.flat import flatten_param_groups
+from fxamp.optim.scaling.folding import GradientFolding
+from fxamp.optim.scaling.loss_scaler import LossScaler
 
 __all__ = ["FP16_Optimizer"]
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from fxamp.optim.bucket import ALIGN, Bucket
+from fxamp.optim.buffers.bucket import ALIGN, Bucket
 
 __all__ = ["Algorithm", "ADAM", "ADAMW", "SGD", "LAMB", "tensor_norms", "per_element",
            "chunk_owners"]

@@ -44,8 +44,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.optim import fused_step
-from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.functional import fused_step
+from fxamp.optim.scaling.loss_scaler import LossScaler
 
 __all__ = ["GradientFolding", "FoldRound", "UnscaledGrads"]
 

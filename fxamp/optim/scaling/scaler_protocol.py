@@ -31,11 +31,11 @@ import torch
 
 from fxamp._compat import unscale_and_check_
 from fxamp.errors import ConfigError
-from fxamp.optim.fused_step import inverse
+from fxamp.optim.functional.fused_step import inverse
 from fxamp.optim.master_check import check_master_weights
 
 if TYPE_CHECKING:
-    from fxamp.optim.loss_scaler import LossScaler
+    from fxamp.optim.scaling.loss_scaler import LossScaler
 
 __all__ = ["OptState", "OptimizerStates", "held"]
 

@@ -19,17 +19,17 @@ import torch
 from fxamp import _compat
 from fxamp.arguments import check_compile_flags, entry_config
 from fxamp.backend import Compiler, CompiledGraph, FxampBackend
-from fxamp.cast_model import CastRecord, boundary_forward, cast_model
-from fxamp.compiled_call import CompiledCall, fxamp_error
+from fxamp.model.cast_model import CastRecord, boundary_forward, cast_model
+from fxamp.model.compiled_call import CompiledCall, fxamp_error
 from fxamp.config import AmpConfig
-from fxamp.copies import forget_copyable, make_copyable
-from fxamp.eager_regions import untraced_modules, warn_untraced, with_policy_autocast
+from fxamp.model.copies import forget_copyable, make_copyable
+from fxamp.model.eager_regions import untraced_modules, warn_untraced, with_policy_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import attach_history, detach_history
 from fxamp.planner.plan import PrecisionPlan
 from fxamp.policy.rules import check_module_overrides
-from fxamp.sharded_modules import (check_copyable, check_sharded, compile_sharded_modules,
+from fxamp.model.sharded_modules import (check_copyable, check_sharded, compile_sharded_modules,
                                    modules_to_compile)
 
 __all__ = ["prepare", "Prepared", "CompileSettings", "requested_config", "check_model",

@@ -43,8 +43,9 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 import torch
 
 from fxamp._compat import compile_fresh, recompute_pointwise_options
-from fxamp.optim import codecs, distributed
-from fxamp.optim.scale_rule import ScaleRule, after_step, scale_is_valid
+from fxamp.optim import distributed
+from fxamp.optim.functional import codecs
+from fxamp.optim.functional.scale_rule import ScaleRule, after_step, scale_is_valid
 
 __all__ = ["prologue", "update", "fold_grads", "gather_grads", "unscale_grads", "inverse",
            "compiled", "eager", "StepFns", "StepState"]

@@ -22,7 +22,7 @@ import weakref
 from typing import Any, Mapping, Optional
 
 from fxamp.errors import ConfigError
-from fxamp.optim.loss_scaler import LossScaler
+from fxamp.optim.scaling.loss_scaler import LossScaler
 from fxamp.optim.state_checks import parse_scaler_state
 
 __all__ = ["state_dict", "load_state_dict", "amp_state_dict", "load_amp_state_dict",
