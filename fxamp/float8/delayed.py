@@ -23,7 +23,8 @@ reads and updates the same history: the no_grad graph of an eval pass traced bef
 training graph (Lightning's sanity check), a graph recompiled for new shapes (dynamic or not),
 a resumed process. Two GEMMs of one module that different graphs hold at the same rank (split
 by a graph break, or one under `if self.training:`) would get the same name: the source line
-of each name is kept (`Float8History.claim`), and a second line is refused.
+and the weight operand of each name are kept (`Float8History.claim`), and a second of either
+is refused.
 Until 2026-11-25 histories were named by trace order (`fxamp_float8_g0_...`): which graph was
 `g0` is not in the checkpoint (an eval pass traced first took the names), so such a state_dict
 is refused on load (`ConfigError`, nothing loaded), never mapped by guess.
@@ -70,21 +71,27 @@ class Float8History:
 
     def __init__(self, model: torch.nn.Module, history_len: int, device: torch.device):
         self.model, self.history_len, self.device = model, history_len, device
-        self.claimed: dict[str, tuple[tuple[str, str, int], str]] = {}  # name -> GEMM, line
+        # name -> (GEMM, source line, weight operand)
+        self.claimed: dict[str, tuple[tuple[str, str, int], str, Optional[str]]] = {}
 
     def __getstate__(self) -> dict:
         # A copy retraces its graphs, and claims its names again.
         return {**self.__dict__, "claimed": {}}
 
-    def claim(self, uses: list[tuple[str, tuple[str, str, int], str]]) -> None:
-        """Record that each GEMM (module, op, rank) at its source line uses history `name`,
-        for `(name, gemm, line)` in `uses`; refuse two GEMMs under one name, before recording
-        any (Note [Amax histories are named by what they measure])."""
+    def claim(self, uses: list[tuple[str, tuple[str, str, int], str, Optional[str]]]) -> None:
+        """Record that each GEMM (module, op, rank) at its source line, with its right operand
+        read from `weight` (a parameter's or buffer's name, None for an activation), uses
+        history `name`, for `(name, gemm, line, weight)` in `uses`; refuse two GEMMs under one
+        name, before recording any (Note [Amax histories are named by what they measure]).
+        Lines and weights are compared where both claims know them: either differing is a
+        second GEMM (the weight still tells two GEMMs apart where nodes carry no stack trace,
+        or a stale one)."""
         claimed = dict(self.claimed)
-        for name, gemm, line in uses:
-            seen = claimed.setdefault(name, (gemm, line))
-            if seen[0] != gemm or (line and seen[1] and seen[1] != line):
-                raise ConfigError(_shared_refusal(name, seen, (gemm, line)))
+        for name, gemm, line, weight in uses:
+            seen = claimed.setdefault(name, (gemm, line, weight))
+            if (seen[0] != gemm or (line and seen[1] and seen[1] != line)
+                    or (weight and seen[2] and seen[2] != weight)):
+                raise ConfigError(_shared_refusal(name, seen, (gemm, line, weight)))
         self.claimed = claimed
 
     def get(self, name: str, entries: int = 0) -> torch.Tensor:
@@ -106,13 +113,18 @@ class Float8History:
 
 def _shared_refusal(name: str, first: tuple, second: tuple) -> str:
     return (f"float8 delayed scaling: two GEMMs would share the amax history {name!r}: "
-            f"{first[1] or first[0]} and {second[1] or second[0]}. Histories are named by "
+            f"{_gemm_words(first)} and {_gemm_words(second)}. Histories are named by "
             "module, op and rank, and these two have the same in different graphs: a graph "
             f"break between two GEMMs of module {second[0][0]!r}, a GEMM that only one graph "
             "runs (under `if self.training:`), or module paths that differ only by '.' and "
             "'_'. Remove the graph break (fxamp.explain lists them), move one GEMM into a "
             "submodule of its own, add the module to Float8Config(skip_modules=...), or use "
             "scaling='dynamic'")
+
+
+def _gemm_words(claim: tuple) -> str:
+    gemm, line, weight = claim
+    return f"{line or gemm}" + (f" (weight {weight!r})" if weight else "")
 
 
 def _create_loaded(model: torch.nn.Module, state_dict, prefix, *args) -> None:

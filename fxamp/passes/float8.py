@@ -243,9 +243,22 @@ def _history_names(gm: fx.GraphModule, history: Float8History) -> dict[fx.Node, 
         if choice.float8 and not is_float8_gemm(node):
             names[node] = history_name(choice.module, choice.op, rank, choice.batch)
             uses.append((names[node], (choice.module, choice.op, rank),
-                         source_line(node.meta.get("stack_trace"))))
+                         source_line(node.meta.get("stack_trace")), _stored_source(node.args[1])))
     history.claim(uses)
     return names
+
+
+def _stored_source(value: object, hops: int = 8) -> Optional[str]:
+    # The graph input (parameter, buffer, argument) a GEMM operand is read from, through casts
+    # and views (ops with one tensor input); None for a value computed from several.
+    while isinstance(value, fx.Node) and hops:
+        if value.op in ("placeholder", "get_attr"):
+            return str(value.target)
+        inputs = value.all_input_nodes
+        if value.op != "call_function" or len(inputs) != 1:
+            return None
+        value, hops = inputs[0], hops - 1
+    return None
 
 
 def rewrite_gemms(gm: fx.GraphModule, config: AmpConfig,
