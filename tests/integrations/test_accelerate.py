@@ -1,7 +1,7 @@
 """fxamp.integrations.accelerate.Accelerator with real accelerate, a tiny GPT-2 on CPU: the
 gradient norms accelerate clips and returns are the unscaled ones (equal to an fp32 run's), an
 injected overflow is skipped and reported, save_state/load_state resume exactly, and the
-refusals leave everything as it was."""
+refusals leave everything as it was; `accumulate()` with `unscale_gradients()` alone."""
 
 import copy
 
@@ -118,3 +118,38 @@ def test_an_optimizer_without_a_fused_counterpart_is_refused_untouched():
         acc.prepare(model, opt)
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert opt.state_dict() == groups and acc.scaler is None
+
+
+def _accumulated(acc, model, opt, batches):
+    """accelerate's `accumulate()` over pairs of micro-batches, `unscale_gradients()` alone
+    (no clipping) before each real step; returns the gradient norm read at each real step."""
+    norms = []
+    for x in batches:
+        with acc.accumulate(model):
+            acc.backward(model(input_ids=x, labels=x).loss)
+            if acc.sync_gradients:
+                acc.unscale_gradients()
+                norms.append(sum(float(p.grad.float().norm()) ** 2
+                                 for p in model.parameters()) ** 0.5)
+            opt.step()
+            opt.zero_grad()
+    return norms
+
+
+def test_accumulate_and_unscale_gradients_alone():
+    batches = tiny_gpt2.batches(4)
+    ref_acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    ref_model = tiny_gpt2.model()
+    ref_model, ref_opt = ref_acc.prepare(ref_model,
+                                         torch.optim.SGD(ref_model.parameters(), lr=0.5))
+    ref = _accumulated(ref_acc, ref_model, ref_opt, batches)
+    acc = Accelerator(cpu=True, mixed_precision="fp16", opt_level="O2", compiler="aot_eager",
+                      gradient_accumulation_steps=2)
+    model = tiny_gpt2.model()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    got = _accumulated(acc, model, opt, batches)
+    # Two real steps, each over two micro-batches; `.grad` after unscale_gradients() holds the
+    # unscaled accumulated gradients (fp16: within its rounding of the fp32 run's norms).
+    assert len(got) == len(ref) == 2 and int(acc.scaler.skipped_steps) == 0
+    assert got == pytest.approx(ref, rel=2e-2)
+    assert _moved_apart(model, ref_model) < 0.01
