@@ -325,3 +325,36 @@ def test_cli_module_override_naming_no_module(capsys):
     assert info.value.code == 2
     assert "module_overrides key 'nosuchmodule' names no module of MLP" in err
     assert "named_modules() paths" in err and "fc1" in err
+
+
+def _meta_model():
+    with torch.device("meta"):
+        return torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_meta_device_model_needs_its_compute_device(level):
+    """A model built on the meta device (materialised later with to_empty) says nothing of the
+    device it will compute on: refused untouched unless the config names it; with it, the
+    model is cast, materialised, initialised and runs like the eager fp32 model."""
+    model = _meta_model()
+    with pytest.raises(fxamp.ConfigError, match=r"meta device.*from_opt_level\('" + level
+                       + r"'\).resolve\('cuda'\)"):
+        fxamp.compile(model, opt_level=level, compiler="aot_eager")
+    assert fxamp.config_of(model) is None
+    assert all(p.device.type == "meta" and p.dtype == torch.float32 for p in model.parameters())
+    config = AmpConfig.from_opt_level(level).resolve("cpu")
+    fxamp.compile(model, config=config, compiler="aot_eager")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for module in model:
+        module.reset_parameters()
+    torch.manual_seed(0)
+    ref = _meta_model().to_empty(device="cpu")
+    for module in ref:
+        module.reset_parameters()
+    x = torch.randn(8, 4)
+    want = {"O1": torch.float32, "O2": torch.bfloat16}[level]
+    assert {p.dtype for p in model.parameters()} == {want}
+    # bf16 rounding of a 4-wide Linear and LayerNorm
+    torch.testing.assert_close(model(x).float(), ref(x), rtol=0, atol=0.05)

@@ -117,6 +117,13 @@ def check_model(model: Any, config: AmpConfig) -> AmpConfig:
         raise ConfigError(f"{type(model).__name__} has no floating-point parameters or buffers:"
                           " fxamp only changes floating-point computation")
     check_module_overrides(model, config)
+    if config.device_type is None and floating[0].device.type == "meta":
+        raise ConfigError(
+            f"{type(model).__name__} is on the meta device, and fxamp takes the compute device "
+            "from the weights (it decides the 16-bit dtype and the op table): name it, e.g. "
+            f"fxamp.compile(model, config=fxamp.AmpConfig.from_opt_level({config.opt_level!r}"
+            ").resolve('cuda')), or materialise the model first (model.to_empty(device=...) "
+            "and its initialisation)")
     resolved = config.resolve(config.device_type or floating[0].device.type)
     check_float8_support(resolved.float8, resolved.device_type, resolved.dtype)
     return resolved
