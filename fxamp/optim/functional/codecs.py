@@ -87,11 +87,15 @@ from typing import Optional
 
 import torch
 
+from fxamp.optim.buffers.bucket import ALIGN
+
 __all__ = ["BLOCK", "new_state", "decode_state", "encode_state", "new_correction",
            "decode_master", "encode_master", "random_bits", "master_stream", "state_stream"]
 
 Tensor = torch.Tensor
-BLOCK = 64  # elements per scale of an 8-bit moment; equals flat.ALIGN (see the Note)
+# Elements per scale of an 8-bit moment: the flat layout's alignment, so that a block never
+# straddles two parameters nor two FSDP2 shards (Note [8-bit moments]).
+BLOCK = ALIGN
 
 
 # ------------------------------------------------------------------------------------ moments
