@@ -74,7 +74,7 @@ def test_explain_lists_it():
 
 # --- Apex's rule for recurrent layers (issue 12 item 6) ---------------------------------------
 # Apex O1 ran nn.RNN/GRU/LSTM in fp16 with input, hidden state and weights cast
-# (apex/amp/rnn_compat.py): outputs 16-bit, gradients reaching the fp32 weights. The reference
+# (Apex's amp.rnn_compat): outputs 16-bit, gradients reaching the fp32 weights. The reference
 # below is that rule written by hand: the recurrent layer called with its input and parameters
 # cast, the Linear after it in the low dtype (Apex's list). Before Note [Recurrent layers at O1, as Apex] the GRU ran in
 # fp32 on CPU (autocast's CPU list has no GRU) and these tests failed for it.

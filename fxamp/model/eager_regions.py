@@ -18,7 +18,7 @@ as under Apex), so they run without autocast.
 Note [Recurrent layers at O1, as Apex]: Dynamo does not trace nn.RNN/GRU/LSTM, so they are eager
 regions, and autocast alone gives them the device's rule, not Apex's: on CUDA cuDNN's autocast
 runs them in fp16, on CPU nn.RNN and nn.LSTM (oneDNN) run in bf16 but nn.GRU in fp32. Apex ran
-every recurrent layer in fp16: input, hidden state and weights cast (apex/amp/rnn_compat.py),
+every recurrent layer in fp16: input, hidden state and weights cast (Apex's `amp.rnn_compat`),
 outputs 16-bit, gradients back to the fp32 weights through the casts. At O1 a model with such
 modules is called under `RecurrentCasts` as well, a torch function mode that does exactly that
 for the functions the modules call (`RECURRENT_FUNCTIONS`, packed sequences included) and passes

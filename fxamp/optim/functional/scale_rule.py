@@ -42,7 +42,9 @@ _FLOOR_HINT = (f" (the floor of a dynamic scale, {DEFAULT_MIN_LOSS_SCALE} by def
                "smaller positive number such as 2**-24 for a lower floor)")
 
 
-# Defaults per semantics (see ../../../shared/reference/AMP_SEMANTICS.md, "Loss scaling").
+# Defaults per semantics, as each project ships them: Apex amp's dynamic LossScaler (at most
+# 2**24), torch.amp.GradScaler (no maximum), DeepSpeed's DynamicLossScaler (grows every 1000
+# clean steps, floor 1, a hysteresis of 2 overflows).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "apex": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  min_loss_scale=DEFAULT_MIN_LOSS_SCALE, max_loss_scale=2.0**24, hysteresis=1),
