@@ -1,6 +1,6 @@
 """Modules Dynamo does not trace (nn.RNN, nn.GRU, nn.LSTM) run eagerly under the level's policy.
 
-Note [Eager regions run under autocast] (fxamp/model/eager_regions.py): before, at O1 an RNN ran
+Note [Eager regions run under autocast] (docs/design.md): before, at O1 an RNN ran
 entirely in fp32 with no word (0 graphs compiled). Now it runs under torch.autocast, as it
 does under plain autocast, fxamp.compile warns once naming it (EagerRegionWarning) and
 explain() lists it. Known torch limitation, checked here: nn.LSTM under CPU bf16 autocast

@@ -90,7 +90,8 @@ def test_the_outside_pattern_catches_what_it_should():
 
 # A note is written where its name starts a line (after a comment's `#`, a docstring's quotes or
 # a Markdown heading's `#`s) and is followed by `:` or ends the line. Anything else that says
-# `Note [name]` points to it. Names wrap across lines in comments and docstrings.
+# `Note [name]` points to it. Names wrap across lines in comments and docstrings, and across the
+# pieces of a string literal split over lines.
 _DEFINED = re.compile(r"^[ \t]*(?:#+[ \t]*|\"\"\")?Note \[([^\]\n]*)\](?::|[ \t]*$)", re.M)
 _NAMED = re.compile(r"Note \[([^\]]*)\]")
 
@@ -98,9 +99,12 @@ _NAMED = re.compile(r"Note \[([^\]]*)\]")
 def _notes() -> tuple[set[str], dict[str, set[str]]]:
     defined, named = set(), collections.defaultdict(set)
     for path in _text_files("fxamp", "docs", "tests", "examples", "benchmarks", "README.md"):
+        if path == pathlib.Path(__file__).resolve():
+            continue  # its examples below name no real note
         text = path.read_text()
         defined.update(" ".join(m.group(1).split()) for m in _DEFINED.finditer(text))
-        joined = re.sub(r"\n[ \t]*(#+[ \t]*)?", "\n", text)
+        joined = re.sub(r"[\"']\n[ \t]*[\"']", "", text)  # "... stay "\n  "by default]"
+        joined = re.sub(r"\n[ \t]*(#+[ \t]*)?", "\n", joined)
         for m in _NAMED.finditer(joined):
             named[" ".join(m.group(1).split())].add(str(path.relative_to(REPO)))
     return defined, named

@@ -106,7 +106,7 @@ def next_scale_state(scale: torch.Tensor, tracker: torch.Tensor, hysteresis: tor
 
 def scale_is_valid(scale: torch.Tensor) -> torch.Tensor:
     """Whether a scale tensor is a positive finite number (a device bool, no host read); a step
-    whose scale is not is skipped (Note [Skipping without a host read] in fused_step.py)."""
+    whose scale is not is skipped (Note [Skipping without a host read] in docs/design.md)."""
     return torch.isfinite(scale) & (scale > 0)
 
 
@@ -126,7 +126,7 @@ def update_in_place(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
 
 def compiled_update():
     """`update_in_place` compiled for one LossScaler (Note [One compiled step per optimizer]
-    in fused_step.py)."""
+    in docs/design.md)."""
     return compile_fresh(update_in_place, fullgraph=True, dynamic=False)
 
 
