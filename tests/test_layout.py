@@ -93,7 +93,7 @@ def test_the_outside_pattern_catches_what_it_should():
 # `Note [name]` points to it. Names wrap across lines in comments and docstrings, and across the
 # pieces of a string literal split over lines.
 _DEFINED = re.compile(r"^[ \t]*(?:#+[ \t]*|\"\"\")?Note \[([^\]\n]*)\](?::|[ \t]*$)", re.M)
-_NAMED = re.compile(r"Note \[([^\]]*)\]")
+_NAMED = re.compile(r"Note\s\[([^\]]*)\]")
 
 
 def _notes() -> tuple[set[str], dict[str, set[str]]]:
