@@ -25,8 +25,9 @@ from fxamp.policy.names import override_key
 
 __all__ = ["AmpConfig", "GraphConfig", "ScalerConfig", "OPT_LEVELS"]
 
-# Apex's table (../shared/reference/AMP_SEMANTICS.md). `None` for cast_model_type means
-# "the low-precision dtype" for O2/O3; O0 casts to fp32; O1 leaves the weights alone.
+# Apex amp's opt-level table (https://nvidia.github.io/apex/amp.html). `None` for
+# cast_model_type means "the low-precision dtype" for O2/O3; O0 casts to fp32; O1 leaves the
+# weights alone.
 _PRESETS: dict[str, dict[str, Any]] = {
     "O0": dict(cast_model_type=torch.float32, patch_torch_functions=False,
                keep_batchnorm_fp32=None, master_weights=False, loss_scale=1.0),

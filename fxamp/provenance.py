@@ -72,7 +72,7 @@ def place_in_model(gm: fx.GraphModule, names: dict[int, str],
       (with "@n" for repeated calls; checked on 2.11.0, 2.13.0, 2.14.1), so such an entry is
       named by identity;
     - a graph traced from one submodule's forward (`module`: its path and class; Note [Sharded
-      modules are compiled one by one] in sharded_modules.py) names modules from that
+      modules are compiled one by one] in docs/design.md) names modules from that
       submodule ("L['module'].attn.c_attn") and its own ops have no entry: every stack gets the
       submodule as its outermost entry and its entries' paths below it.
     Module overrides, float8's `skip_modules`, delayed scaling's histories, explain() and the

@@ -1,4 +1,4 @@
-"""torch's own autocast test lists (torch/testing/_internal/autocast_test_lists.py) as pytest
+"""torch's own autocast test lists (torch.testing._internal.autocast_test_lists) as pytest
 cases, and the check that fxamp O1 gives the dtypes torch.autocast gives for one of them.
 
 # Note [Autocast lists without expecttest]

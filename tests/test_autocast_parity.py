@@ -1,6 +1,6 @@
 """fxamp O1 with a torch preset gives the dtypes torch.autocast gives, op for op.
 
-The cases are torch's own: torch/testing/_internal/autocast_test_lists.py (autocast_lists.py).
+The cases are torch's own: torch.testing._internal.autocast_test_lists (autocast_lists.py).
 CPU runs here; the CUDA list needs a GPU to run autocast on: tests/gpu/test_cuda_parity.py.
 """
 

@@ -1,6 +1,6 @@
 """Modules Dynamo does not trace (nn.RNN, nn.GRU, nn.LSTM) run eagerly under the level's policy.
 
-Note [Eager regions run under autocast] (fxamp/model/eager_regions.py): before, at O1 an RNN ran
+Note [Eager regions run under autocast] (docs/design.md): before, at O1 an RNN ran
 entirely in fp32 with no word (0 graphs compiled). Now it runs under torch.autocast, as it
 does under plain autocast, fxamp.compile warns once naming it (EagerRegionWarning) and
 explain() lists it. Known torch limitation, checked here: nn.LSTM under CPU bf16 autocast
@@ -74,7 +74,7 @@ def test_explain_lists_it():
 
 # --- Apex's rule for recurrent layers (issue 12 item 6) ---------------------------------------
 # Apex O1 ran nn.RNN/GRU/LSTM in fp16 with input, hidden state and weights cast
-# (apex/amp/rnn_compat.py): outputs 16-bit, gradients reaching the fp32 weights. The reference
+# (Apex's amp.rnn_compat): outputs 16-bit, gradients reaching the fp32 weights. The reference
 # below is that rule written by hand: the recurrent layer called with its input and parameters
 # cast, the Linear after it in the low dtype (Apex's list). Before Note [Recurrent layers at O1, as Apex] the GRU ran in
 # fp32 on CPU (autocast's CPU list has no GRU) and these tests failed for it.

@@ -1,6 +1,6 @@
 """Graph breaks at O1: the code between fxamp's graphs runs under the level's policy.
 
-Note [Eager regions run under autocast] (fxamp/model/eager_regions.py). Before, the eager code
+Note [Eager regions run under autocast] (docs/design.md). Before, the eager code
 after a break met bf16 activations with fp32 weights (`mat1 and mat2 must have the same
 dtype`) or ran silently in fp32. Each model is trained three steps, and each step's gradients
 must match (tests/parity.py tolerances) fp32 eager and torch.compile + autocast; and with a

@@ -92,7 +92,8 @@ def origin_of(node: fx.Node, phase: str, record: GraphRecord) -> Origin:
     """The Origin of `node`, a node of `record`'s forward or backward graph."""
     forward = node
     if phase == BACKWARD and node.meta.get(_compat.PARTITIONER_TAG) != "is_forward":
-        forward = record.by_seq_nr.get(node.meta.get(_compat.SEQ_NR, -2), node)  # Note [Mapping...]
+        # Note [Mapping backward nodes to the forward]
+        forward = record.by_seq_nr.get(node.meta.get(_compat.SEQ_NR, -2), node)
     pre = _pre_node(forward, record)
     stack = forward.meta.get("nn_module_stack") or node.meta.get(_compat.FWD_NN_MODULE_STACK)
     module, module_type = module_of(stack)

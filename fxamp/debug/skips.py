@@ -1,7 +1,7 @@
 """Skipped-step reporting for training loops, without a host read per step.
 
 An fxamp optimizer decides to skip a step on the device (Note [Skipping without a host read] in
-fxamp/optim/functional/fused_step.py) and leaves the decision in a 0-dim flag. `SkipMonitor` folds that
+docs/design.md) and leaves the decision in a 0-dim flag. `SkipMonitor` folds that
 flag into device counters after every step (three tiny device ops, no read) and reads them back
 once every `every` steps, only if its log level is enabled or a locator is waiting: then it
 logs how many steps were skipped since the last read, with the loss scale they left, and runs

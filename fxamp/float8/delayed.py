@@ -1,43 +1,12 @@
 """Delayed scaling: amax histories kept as buffers of the model, updated inside the graph.
 
-Note [Delayed scaling lives in the model]: with `Float8Config(scaling="delayed")` a GEMM's
-input and weight are scaled from the largest amax of their last `history_len` steps instead of
-their own (so the scale needs no reduction before the cast), and the current amax is pushed
-into the history by the compiled graph itself: a `copy_` into a buffer, which AOTAutograd turns
-into an input mutation of the compiled function, with no `.item()` and no host sync. The
-buffers are registered on the model itself (a child module would change what an nn.Sequential
-runs), so they are in `model.state_dict()`, move with checkpoints and resume bit for bit; a
-load_state_dict pre-hook creates them when a checkpoint is loaded before the first call (the
-graph that names them is traced only then). The `Float8History` that names them lives in the
-model's `__dict__`. The gradient operand is scaled dynamically: its amax exists only in the
-backward graph, and AOTAutograd does not carry a buffer mutation made there back to the buffer
-(checked on 2.11, 2.13, 2.14: it is dropped silently), so a history of it could not be kept
-in-graph.
+With `Float8Config(scaling="delayed")` a GEMM's input and weight are scaled from the largest amax
+of their last `history_len` steps; the compiled graph pushes the current amax into a buffer of
+the model (an input mutation, no host sync), named after the GEMM it feeds. Only forwards run
+with grad enabled push; the gradient operand is scaled dynamically.
 
-Note [Amax histories are named by what they measure]: a history is named after the GEMM it
-feeds, never after the graph that first traced it: `fxamp_float8_amax_<module>_<op><k>_<role>`
-(`module`: the named_modules path, `root` for the model's own forward; `k`: the GEMM's rank
-among that module's GEMMs of that op in the graph; `role`: `input` or `weight`, the left and
-right operand; a GEMM done per batch entry adds `_b<B>`). So every graph that runs the GEMM
-reads and updates the same history: the no_grad graph of an eval pass traced before the
-training graph (Lightning's sanity check), a graph recompiled for new shapes (dynamic or not),
-a resumed process. Two GEMMs of one module that different graphs hold at the same rank (split
-by a graph break, or one under `if self.training:`) would get the same name: the source line
-and the weight operand of each name are kept (`Float8History.claim`), and a second of either
-is refused.
-Until 2026-11-25 histories were named by trace order (`fxamp_float8_g0_...`): which graph was
-`g0` is not in the checkpoint (an eval pass traced first took the names), so such a state_dict
-is refused on load (`ConfigError`, nothing loaded), never mapped by guess.
-
-Note [Eval forwards leave the histories alone]: a GEMM traced with gradients disabled
-(`torch.no_grad()`, `torch.inference_mode()`, a no_grad region of the forward) is scaled from
-its histories but does not push into them; only GEMMs run with grad enabled (training
-forwards) do, one push per call. So validation passes do not change training: a run with
-evaluations between steps trains bit for bit as one without. torchao's Float8Linear (delayed
-scaling, up to 0.8) records the current amax in every forward, eval included, and pushes it at
-the next `sync_float8_amax_and_scale_history`, which the training loop calls once per step: an
-eval forward there replaces the last training amax in the history. fxamp departs from that on
-purpose (docs/float8.md, "Delayed scaling").
+Design (docs/design.md): Note [Delayed scaling lives in the model], Note [Amax histories are
+named by what they measure], Note [Eval forwards leave the histories alone].
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """The float8 GEMM: forward and both backward GEMMs through `torch._scaled_mm`, scales in-graph.
 
-Note [Float8 GEMMs are an autograd.Function in the graph]: the float8 pass replaces a GEMM
-node of the pre-dispatch ATen graph (which has no backward yet) by a call to `float8_linear` or
-`float8_matmul`, which apply `Float8MM`. AOTAutograd traces that Function like any other op
-sequence: its forward (amax, scale, saturating cast, `_scaled_mm`) goes into the forward
-graph and its backward (grad_input = grad_out @ b.T and grad_weight = a.T @ grad_out, each in
-float8 with its own scales) into the backward graph, all as ATen ops Inductor can fuse (the
-amax reductions and casts become Triton/C++ kernels around the float8 GEMM). Rewriting the
-joint graph instead would have to recognise the two backward mms that autograd derived from a
-forward one; here they are written, not recognised. The math is torchao's
-(`torchao.float8.float8_linear.matmul_with_hp_or_float8_args`), operand for operand, so both
-give the same bits (tests/test_float8.py compares them).
+The float8 pass replaces a GEMM node of the pre-dispatch ATen graph by `float8_linear` or
+`float8_matmul`, which apply the autograd.Function `Float8MM`: AOTAutograd traces its forward and
+its two backward GEMMs into the forward and backward graphs (torchao's math, operand for
+operand). A batched GEMM is a flattened linear when its right operand has a single batch entry,
+otherwise one `_scaled_mm` per batch entry (at most `Float8Config.max_batch`).
 
-Note [Batched float8 GEMMs]: `torch._scaled_mm` multiplies 2-D operands only (2.11 to 2.14,
-CPU and CUDA: "mat1 must be a matrix"); `torch._scaled_grouped_mm` takes 3-D ones but has no
-CPU kernel (checked on 2.11, 2.13, 2.14.1) and needs sm90+ on CUDA. So a batched GEMM
-(`bmm`, `baddbmm`, `matmul` of >= 3-D operands) becomes one of two things:
-- a flattened linear, when its right operand has a single batch entry (an `expand` of a 2-D
-  weight, or [1, K, N]): a [B*M, K] @ [K, N] GEMM, exactly the linear path, delayed scaling
-  included, and the weight's gradient summed over the batch by the GEMM itself;
-- otherwise one `_scaled_mm` per batch entry, unrolled when the graph is traced (the batch
-  size is static there), the results stacked. Scales are per batch entry (tensorwise: one per
-  [M, K] / [K, N] matrix; rowwise: per row/column of each entry): each entry is its own GEMM,
-  and one scale for the whole batch would let the largest entry (one head, one expert) set
-  the resolution of all the others. The casts and amax reductions are loop-free (one
-  reduction over the last two dims); only the GEMMs are unrolled. The loop-free alternatives
-  lose: a block-diagonal 2-D GEMM does B times the FLOPs, and dequantizing into a bf16 `bmm`
-  rounds like float8 but computes in bf16. Delayed scaling keeps one history per batch entry
-  (a [history_len, B] buffer), for the same reason. `Float8Config.max_batch` (default 64) bounds the unrolling; attention's
-  batched GEMMs (both operands activations) stay in the model dtype unless
-  `batched_activations=True` (fxamp/passes/float8_operands.py says why). On CUDA,
-  `_scaled_grouped_mm` could replace the loop: open work, untested here (no GPU).
+Design (docs/design.md): Note [Float8 GEMMs are an autograd.Function in the graph], Note [Batched
+float8 GEMMs].
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """The code Dynamo does not compile runs under the opt level's policy too.
 
-Note [Eager regions run under autocast]: a graph break (`.item()`, `print`, a builtin Dynamo
-cannot trace, a data-dependent branch), a module Dynamo will not trace (nn.LSTM, nn.GRU) or
-a frame Dynamo skips (the forward of a torch.nn module called from eager code) runs eagerly,
-between or around fxamp's graphs. At O1 the activations it receives are already 16-bit and
-the weights fp32, so outside any policy it fails (`mat1 and mat2 must have the same dtype`)
-or silently runs in fp32. So `fxamp.compile` runs each O1 call under `torch.autocast` of the
-level's device and dtype -- the eager regions get autocast's op table, the same table as
-fxamp's default preset for the device -- and every graph fxamp compiles runs with autocast
-turned off for that device (and is traced with it off), so inside the graphs only fxamp's
-policy applies, never both. The user's own `torch.autocast` regions inside forward are graph
-nodes and keep their meaning (Note [The user's autocast wins] in passes/annotate.py).
+At O1 each call of a compiled model runs under `torch.autocast` of the level's device and dtype,
+so graph breaks and modules Dynamo does not trace get autocast's table, while fxamp's graphs run
+(and are traced) with that autocast off; O0, O2 and O3 run without it. Untraced recurrent layers
+at O1 also run under `RecurrentCasts`, which casts them as Apex did.
 
-O0, O2 and O3 cast no ops (their eager regions meet weights in the dtype they are stored in,
-as under Apex), so they run without autocast.
-
-Note [Recurrent layers at O1, as Apex]: Dynamo does not trace nn.RNN/GRU/LSTM, so they are eager
-regions, and autocast alone gives them the device's rule, not Apex's: on CUDA cuDNN's autocast
-runs them in fp16, on CPU nn.RNN and nn.LSTM (oneDNN) run in bf16 but nn.GRU in fp32. Apex ran
-every recurrent layer in fp16: input, hidden state and weights cast (apex/amp/rnn_compat.py),
-outputs 16-bit, gradients back to the fp32 weights through the casts. At O1 a model with such
-modules is called under `RecurrentCasts` as well, a torch function mode that does exactly that
-for the functions the modules call (`RECURRENT_FUNCTIONS`, packed sequences included) and passes
-every other call through unchanged; Dynamo traces the mode (it adds no graph break: the module
-call is one already). Only models with untraced recurrent modules get the mode.
+Design (docs/design.md): Note [Eager regions run under autocast], Note [Recurrent layers at O1,
+as Apex].
 """
 
 from __future__ import annotations

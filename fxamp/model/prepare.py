@@ -159,7 +159,8 @@ def prepare(model_or_fn: Callable[..., Any], config: Optional[AmpConfig], *,
     else:
         _check_no_request(config, existing)
         resolved, record = existing, None
-        model = copy.deepcopy(model_or_fn)  # a prepared copy (Note [Copies keep the ...])
+        # a prepared copy (Note [Copies keep the compiled call])
+        model = copy.deepcopy(model_or_fn)
     backend = settings.backend(resolved)
     compile_module(model, backend, settings, record=record if in_place else None)
     if in_place:

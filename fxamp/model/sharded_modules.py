@@ -1,37 +1,12 @@
 """FSDP2-sharded modules get fxamp's graphs too: their forwards are compiled on their own.
 
-Note [Sharded modules are compiled one by one]: FSDP2 runs its pre- and post-forward hooks
-under `torch._dynamo.disable`, so every call of a `fully_shard`-ed module is a graph break in
-the graph fxamp compiles for the whole model. What Dynamo does next depends on the module:
-- the forward of a module defined in the user's code (a transformer block) is a new frame,
-  which Dynamo compiles with fxamp's backend;
-- the forward of a torch.nn module (a sharded `nn.Linear`) is a frame Dynamo skips: it ran
-  eagerly, under autocast at O1 and in the model dtype at O2, never in float8;
-- a forward that calls sharded modules in a loop (`for block in self.blocks`) has a graph
-  break in a loop, so Dynamo skips that whole frame: the modules it calls directly (the
-  lm_head after the loop) ran eagerly as well.
-So at the model's first call, when the sharding is known (`fully_shard` comes after
-`fxamp.compile`), fxamp compiles the forward of every `fully_shard`-ed module (the root and
-nested ones too), and of every module outside them that holds parameters of its own (the head,
-the embedding, the final norm), with the model's backend: FSDP2's hooks keep running eagerly
-in `nn.Module.__call__`, and the forward they wrap is one of fxamp's graphs. Where the
-surrounding frame is traced, Dynamo inlines such a forward into the surrounding graph, so
-nothing changes there.
+FSDP2's hooks are graph breaks, and Dynamo skips the frames of torch.nn modules and of loops over
+sharded blocks, so at the model's first call (when the sharding is known) the forward of every
+`fully_shard`-ed module, and of every module outside them that holds parameters of its own, is
+compiled with the model's backend, each with a code object of its own and a backend that knows
+its module path (`FxampBackend.for_module`).
 
-A forward already set on the instance (hook libraries wrap a module's forward that way) is
-the one compiled, so the wrapper keeps running.
-
-What stays eager: GEMMs the skipped frame calls functionally (`x @ self.wte.weight.T` written
-in the root's own forward, not in a module that owns a parameter).
-
-Each module gets a code object of its own (Note [One code object per compiled model] in
-cast_model.py) and a backend that knows its path (`FxampBackend.for_module`), so that its graph
-names modules as the model's graph would (`provenance.place_in_model`): module overrides,
-float8's `skip_modules` and explain() mean the same with and without FSDP2. Identical
-transformer blocks are therefore traced once each, not once in all (Inductor's FX graph cache
-compiles their identical graphs once): sharing one code object would share one graph, and its
-module paths and amax histories, between blocks (and would make Dynamo recompile a module of
-other shapes with dynamic ones).
+Design (docs/design.md): Note [Sharded modules are compiled one by one].
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ __all__ = ["expose_state", "state_dict", "load_state_dict", "SCALE_SHARDS", "sca
 log = logging.getLogger(__name__)
 _CODES = {torch.int8, torch.uint8}
 # The state dict's entry naming the sharding its 8-bit block scales describe (Note [Block
-# scales of sharded parameters] in sharded.py): the ranks of the sharded parameters' mesh.
+# scales of sharded parameters] in docs/design.md): the ranks of the sharded parameters' mesh.
 SCALE_SHARDS = "block_scale_shards"
 
 
@@ -63,8 +63,8 @@ def expose_state(opt: "Checkpointable") -> None:
 
 def _state_views(bucket, held, keys) -> list[tuple[str, list]]:
     """Per-parameter views of each state: int8 codes shaped like the parameter, and their
-    bf16 block scales under "<key>_scale" (Note [8-bit moments] in codecs.py: a block never
-    straddles two parameters; Note [Block scales of sharded parameters] in sharded.py)."""
+    bf16 block scales under "<key>_scale" (Note [8-bit moments] in docs/design.md: a block never
+    straddles two parameters; Note [Block scales of sharded parameters] in docs/design.md)."""
     out = []
     for key, bufs in zip(keys, held.states):
         out.append((key, bucket.views(bufs[0])))

@@ -53,7 +53,7 @@ class OpDecision:
     val: Any = None  # the node's own fake value after the casts (before any restore)
     autocast_casts: bool = False  # in the user's enabled torch.autocast region: it casts this
     inserted: bool = False  # a cast insert_casts created (policy = its consumer's, reason = why)
-    boundary: bool = False  # a model-boundary cast fxamp.compile traced (Note [Boundary casts...])
+    boundary: bool = False  # a model-boundary cast (Note [Boundary casts are tagged when traced])
 
     @property
     def compute_dtype(self) -> Optional[torch.dtype]:

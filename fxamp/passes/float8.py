@@ -4,7 +4,7 @@ Annotate, then materialise, like the cast passes: `decide_gemms` records a `Gemm
 every GEMM node (`node.meta[FLOAT8_META]`: float8 or not, and why; explain() prints them), and
 `rewrite_gemms` replaces the chosen ones by `float8_linear` / `float8_matmul` / `float8_bmm`
 calls (Note [Float8 GEMMs are an autograd.Function in the graph] and Note [Batched float8
-GEMMs] in fxamp/float8/gemm.py; what each GEMM multiplies is read by float8_operands.py). It runs after
+GEMMs] in docs/design.md; what each GEMM multiplies is read by float8_operands.py). It runs after
 insert_casts, so a GEMM's operands are already in the dtype the opt level gave them (bf16 at
 O1/O2 on CPU), which is the dtype the float8 GEMMs return.
 """

@@ -2,7 +2,7 @@
 
 `gemm_operands(gm, node)` reads a GEMM node of the pre-dispatch ATen graph: its left [.., K]
 and right [K, N] (or batched [.., K, N]) operands, bias, and which of the three float8 forms
-it has (Note [Batched float8 GEMMs] in fxamp/float8/gemm.py):
+it has (Note [Batched float8 GEMMs] in docs/design.md):
 - a 2-D GEMM (linear, mm, addmm, matmul with a 2-D right operand), the left one flattened;
 - a flattened batched GEMM: a bmm/matmul whose right operand has one batch entry (an
   `expand` of a weight, found through the casts between them, or [1, K, N]);
@@ -93,7 +93,8 @@ def _through(node: Any, ops: frozenset) -> Any:
 
 
 def _is_parameter(gm: fx.GraphModule, node: Any) -> bool:
-    """`node` is a view or cast of a parameter (Note [Attention-style batched GEMMs ...])."""
+    """`node` is a view or cast of a parameter (Note [Attention-style
+    batched GEMMs stay by default])."""
     node = _through(node, _VIEWS)
     if not isinstance(node, fx.Node):
         return False

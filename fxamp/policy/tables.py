@@ -107,7 +107,7 @@ linalg_eig linalg_eigh linalg_lstsq linalg_inv_ex
 """
 _TORCH_CPU_PROMOTE = "stack cat index_copy index_copy.dimname"
 
-# --- Apex amp's lists (apex/amp/lists/{functional,torch,tensor}_overrides.py) ----------------
+# --- Apex amp's lists (apex.amp.lists: functional_, torch_ and tensor_overrides) -------------
 _APEX_LOWER = """
 conv1d conv2d conv3d conv_transpose1d conv_transpose2d.input conv_transpose3d.input conv_tbc
 convolution _convolution prelu linear addmm addmv addr matmul mm mv bmm addbmm baddbmm lstm_cell
@@ -133,7 +133,7 @@ _BANNED = "binary_cross_entropy"
 # Whole recurrent layers, by torch function (what nn.RNN/GRU/LSTM call, packed sequences too).
 # Dynamo runs these modules eagerly, outside fxamp's graphs, so at O1 their input, hidden state
 # and weights are cast to the low dtype by a function mode instead (eager_regions.py), as Apex
-# did for every recurrent layer (apex/amp/rnn_compat.py).
+# did for every recurrent layer (Apex's `amp.rnn_compat`).
 RECURRENT_FUNCTIONS = "lstm gru rnn_tanh rnn_relu"
 
 

@@ -12,7 +12,7 @@ from fxamp.optim import LossScaler
 
 
 class ApexScaler:
-    """apex/amp/scaler.py LossScaler.update_scale, transcribed."""
+    """Apex amp's LossScaler.update_scale (apex.amp.scaler), transcribed."""
 
     def __init__(self, init=2.0**16, window=2000, min_scale=None, max_scale=2.0**24):
         self.scale, self.unskipped = min(max_scale, init), 0

@@ -1,7 +1,7 @@
 """Apex's `amp.scale_loss` semantics with one loss scaler shared by several optimizers and
 several losses (issue 12 items 1, 2, 12).
 
-The reference is Apex's rule, written by hand (apex/amp/handle.py, scaler.py): each
+The reference is Apex's rule, written by hand (apex.amp.handle, apex.amp.scaler): each
 `scale_loss` exit unscales the gradients of *its* backward with the scale the loss was
 multiplied by, checks them, moves the scale (`update_scale`) and, on overflow, makes the next
 `step()` of every optimizer passed to that call a skip. fp32 models (O0) compare exactly with a
@@ -28,7 +28,7 @@ ATOL = {"O0": 1e-6, "O2-bf16": 3.5e-3, "O2-fp16": 1e-3}
 
 
 class ApexScaler:
-    """apex/amp/scaler.py LossScaler.update_scale, called at every scale_loss exit."""
+    """Apex amp's LossScaler.update_scale (apex.amp.scaler), called at every scale_loss exit."""
 
     def __init__(self, scale=2.0**16, window=2000):
         self.scale, self.unskipped, self.window = scale, 0, window

@@ -119,7 +119,7 @@ class FP16_Optimizer:
 
     def unscale_exit(self, scaler: LossScaler, flag: torch.Tensor) -> None:
         """A scale_loss exit: the masters' `.grad` get the unscaled sum and the model's `.grad`
-        its rounding (Note [.grad after a scale_loss exit] in folding.py)."""
+        its rounding (Note [.grad after a scale_loss exit] in docs/design.md)."""
         raws, accs = self._fold_buffers()
         self.folding.unscale_exit(scaler, flag, raws, accs, (True,) * len(raws), owner=self)
 

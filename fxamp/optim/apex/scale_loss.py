@@ -29,7 +29,7 @@ def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0,
     step of every optimizer passed here is skipped (Note [Apex's scale_loss exits]). After the
     block `.grad` holds the unscaled gradients, as in Apex, so code that clips
     `model.parameters()` or logs gradient norms there sees real values (one fused pass, no
-    host read; Note [.grad after a scale_loss exit] in folding.py). `delay_unscale=True` leaves
+    host read; Note [.grad after a scale_loss exit] in docs/design.md). `delay_unscale=True` leaves
     the gradients scaled for a later call (gradient accumulation); `delay_overflow_check`
     changes nothing. An optimizer that did not come from `initialize` (e.g. with
     enabled=False) gets the loss unchanged.

@@ -1,32 +1,12 @@
 """Flat buffers over the local shards of DTensor parameters (FSDP2's `fully_shard`).
 
-# Note [Flat buffers beside FSDP2's shards]
-FSDP2 owns the storage of each sharded parameter: it all-gathers from its own padded flat
-tensor, of which `p.to_local()` is a view, and it may swap that tensor at lazy init. The model's
-parameters can therefore not become views of the optimizer's flat buffer, as plain parameters do
-(flat.py). A ShardedBucket keeps its own flat copy of the local shards instead, with the same
-layout machinery, and pays two copies of the local shards per step:
-- before the step, the reduce-scattered gradient shards are added into the flat gradient and
-  the parameters' `.grad` are set to None (so the next backward starts afresh, and a
-  gradient folded by `unscale_` is never counted twice);
-- after the step, the updated weights are copied into the local shards.
-The states and masters it exposes (`opt.state[p]`, the state dict) are DTensors with the
-parameter's placements over views of the flat buffers, so torch.distributed.checkpoint saves
-every rank's shard and loads each back in place.
+A ShardedBucket keeps its own flat copy of the local shards (FSDP2 owns their storage): the
+gradient shards are added into it before the step and the new weights copied back after it;
+states and masters are exposed as DTensors with the parameter's placements, and every parameter
+takes the room of its padded shard so that 8-bit block scales line up across ranks.
 
-# Note [Block scales of sharded parameters]
-8-bit moments keep one scale per BLOCK elements of the flat layout (Note [8-bit moments] in
-codecs.py), so each rank quantises its own shard, and a parameter's scales on one rank are a
-number that depends on its shard's size. FSDP2's shards along dim 0 can be uneven (rank 0 of 2
-holds 9 of 17 rows, rank 1 holds 8), and a DTensor's shards must be torch.chunk's of its global
-shape. So each parameter takes the same room in the flat layout on every rank: its padded
-shard, ceil(dim0 / ranks) rows (the size FSDP2 pads its own shards to). A parameter's scales
-are then the same number on every rank, and are exposed as a 1-D DTensor sharded over the
-mesh (global size ranks x that number): DCP writes every rank's scales, not rank 0's for all.
-The padding holds zeros that no step changes. A checkpoint so saved loads bit-exactly with the
-same number of ranks; its scales describe blocks of one sharding, so it does not reshard: the
-state dict names the number of ranks (checkpoint.SCALE_SHARDS) and a load into another number
-is refused, by `fxamp.distributed.load` before DCP reads anything in place.
+Design (docs/design.md): Note [Flat buffers beside FSDP2's shards], Note [Block scales of
+sharded parameters].
 """
 
 from __future__ import annotations

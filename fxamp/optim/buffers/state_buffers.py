@@ -19,7 +19,7 @@ UNSIGNED_STATES = frozenset({"exp_avg_sq"})
 
 def rounding(keys: Sequence[str], fmt: StateFormat) -> tuple[tuple[bool, ...], tuple[bool, ...]]:
     """Per state: whether it is non-negative, and whether it is rounded stochastically (every
-    int8 state, and a bf16 v: Note [Rounding compact moments stochastically] in codecs.py)."""
+    int8 state, and a bf16 v: Note [Rounding compact moments stochastically] in docs/design.md)."""
     unsigned = tuple(k in UNSIGNED_STATES for k in keys)
     return unsigned, tuple(fmt.moments == "int8" or (u and fmt.moments == "bf16")
                            for u in unsigned)

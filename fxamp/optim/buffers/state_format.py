@@ -32,7 +32,7 @@ class StateFormat:
             nowhere, rounding each update stochastically ("stochastic"). float32 parameters
             are their own master whatever this says; float16 parameters need "fp32".
         moments: "fp32" (default), "bf16", or "int8" (block-wise quantised, a bf16 scale per
-            64 elements, companded; Note [8-bit moments] in codecs.py).
+            64 elements, companded; Note [8-bit moments] in docs/design.md).
         seed: the seed of the stochastic rounding's counter-based random bits.
     """
 

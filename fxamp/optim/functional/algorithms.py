@@ -1,6 +1,6 @@
 """The update rules (Adam, AdamW, SGD, LAMB) as pure functions of flat tensors.
 
-Each rule is split the way Note [Hoisting per-step scalars] in fused_step.py asks: `coefs` turns
+Each rule is split the way Note [Hoisting per-step scalars] in docs/design.md asks: `coefs` turns
 the per-group hyperparameters and the step count into a few scalars per group (bias corrections,
 lr·wd, ...), once per step in the prologue graph; `update` is the elementwise part, which reads
 those scalars as 0-dim loads. Both take fp32 (`w`, `g` and the states upcast by the caller) and

@@ -7,78 +7,8 @@ stores. 8-bit contents come back as exact integers in a wider type (fp32 codes, 
 correction) that converts to the buffer's dtype without rounding: the select is done on those
 (fused_step's Note [Selecting 8-bit codes]).
 
-# Note [8-bit moments]
-Each moment is split into blocks of BLOCK elements with one bf16 scale per block, the block's
-absolute maximum (block-wise quantisation: Dettmers et al. 2021, "8-bit Optimizers via
-Block-wise Quantization", arXiv:2110.02861). BLOCK equals the flat layout's ALIGN, so a block
-never straddles two parameters (per-parameter state dict entries hold their own codes and
-scales) nor two FSDP2 shards (each rank quantises its shard). Inside a block the values are
-companded before rounding to 8 bits, with FlashOptim's companders (Gonzalez Ortiz et al. 2026,
-"FlashOptim: Optimizers for Memory Efficient Training", arXiv:2602.23349): a signed moment
-(Adam's m, SGD's momentum) x/scale in [-1, 1] is stored as round(127 * 2y / (1 + |y|)) in int8,
-which spends more codes near 0; a non-negative one (Adam's v) is stored as its square root,
-round(255 * sqrt(v) / max sqrt(v)) in uint8. A non-zero v never rounds to code 0 (it takes code
-1): v sits under a square root in a denominator, and a v read back as 0 would turn the update
-into m / eps.
-
-# Note [Rounding compact moments stochastically]
-Adam's v decays by beta2 = 0.999 per step, a change of 1e-3 of itself (5e-4 of its square root).
-No 8- or 16-bit encoding resolves that: a code step of sqrt(v) is 1/255 of the block's largest,
-bf16's spacing 2**-8 of the value, so rounding to nearest writes back the v it read, and v
-stops decaying at its largest value (measured: after 500 steps without gradients, int8 and
-bf16 v alike still hold e**0.5 = 1 / 0.999**500 times Adam's). The steps then shrink as if by
-AMSGrad's max, and training slows (+5 % final loss on digits). m decays by beta1 = 0.9, which
-bf16 resolves but an int8 code of 5 or less does not (0.9 * 5 rounds back to 5): small
-momenta never die out (after 40 steps the sum of |m| is 11 % high). So every int8 state, and a
-bf16 v, is rounded stochastically: the real-valued code c goes to floor(c + u), u uniform in
-[0, 1) from 16 random bits, so E[code] = c. For v's uint8 code, linear in sqrt(v), that is
-unbiased in sqrt(v), the quantity the update divides by (unbiased in v itself, the noise made
-the steps larger on average, E[1/sqrt(v)] > 1/sqrt(E[v]): digits ended 0.62 % below fp32's final
-loss over three seeds, against 0.22 % rounded in the root). For m's companded code the decoded
-value is convex in the code, so rounding unbiased in the code leaves a bias away from zero of at
-most 1/8 of the curvature times a code step squared: below 3.2e-5 of the block's scale (0.2 %
-of a code step), and under 0.4 % of a small m itself, which therefore still decays by about
-0.9 per step (tested against float64). The random bits are those of Note [16-bit masters] (a
-counter-based hash), on a stream per state and bucket (`state_stream`), so a resumed or another
-rank's run draws the same. The non-zero rule above still holds (a rounding to code 0 of a
-non-zero v takes code 1).
-
-# Note [16-bit masters]
-With a bf16 model, the model itself is the master (no fp32 copy); the bits that bf16 drops are
-kept, or not, by the master kind:
-- "kahan": a bf16 compensation buffer holds new - round(new), so weight + compensation carries
-  about 16 significant bits and every update's rounding error is carried into the next one
-  (Kahan summation; torch-optimi's Kahan-compensated updates).
-- "int8_error": FlashOptim's split, a 24-bit master in 3 bytes: the update's fp32 result is
-  rounded to 24 bits (sign, exponent, 15 mantissa bits), the model weight is that rounded to the
-  nearest bf16, and the 8 bits between them are an int8 (the difference, a multiple of 2**8 in
-  [-2**15, 2**15) on the integer bits). Decoding puts them back: exact integer work on the
-  bits, no division.
-- "stochastic": no extra buffer; the update rounds up or down with probability given by the
-  distance (unbiased in expectation). The random bits are a hash of (seed, step, bucket,
-  element index) computed in the graph (a counter-based generator: no generator state to
-  save, and a resumed run draws the same bits).
-
-# Note [A codec the CPU runs fast]
-The 8-bit step is one compiled graph whose cost on a CPU is the instructions per element (the
-bytes it moves are fewer than the fp32 step's). What made it 28x the default step, and what
-each fix was (measured at 10M parameters, 2 threads, AVX-512; docs/optimizer_memory.md):
-- Inductor writes a pointwise value with several users and more than a few reads to memory
-  instead of recomputing it; the new moments (read by the block amax and by the encode) and
-  the stochastic rounding's comparison became full-size fp32 and bool buffers, and a bool
-  buffer is read and written by scalar loops. The update graph is compiled with those
-  thresholds lifted (`_compat.recompute_pointwise_options`): the block amax loop recomputes
-  the cheap moment updates from the 1-byte codes, and the one elementwise loop computes each
-  value once (Inductor's common-subexpression elimination merges what the encodes and the
-  update share).
-- Selecting old or new int8 codes under a skip (a 0-dim bool) cast the mask lane by lane;
-  selecting in fp32 and converting after is vectorised (fused_step's Note [Selecting 8-bit
-  codes]).
-- The random bits: one 32-bit hash per element serves m and v (a half each) and is computed
-  in int32 lanes, not int64 pairs; the stochastic rounding adds the bits to the real-valued
-  code and takes the floor (no decode of the two neighbouring codes, no division).
-- Division by a block's scale is a multiplication by its reciprocal, one division per block.
-- int8_error's master is integer work on the bits (no per-element ulp, no division).
+Design (docs/design.md): Note [8-bit moments], Note [Rounding compact moments stochastically],
+Note [16-bit masters], Note [A codec the CPU runs fast].
 """
 
 from __future__ import annotations
@@ -87,11 +17,15 @@ from typing import Optional
 
 import torch
 
+from fxamp.optim.buffers.bucket import ALIGN
+
 __all__ = ["BLOCK", "new_state", "decode_state", "encode_state", "new_correction",
            "decode_master", "encode_master", "random_bits", "master_stream", "state_stream"]
 
 Tensor = torch.Tensor
-BLOCK = 64  # elements per scale of an 8-bit moment; equals flat.ALIGN (see the Note)
+# Elements per scale of an 8-bit moment: the flat layout's alignment, so that a block never
+# straddles two parameters nor two FSDP2 shards (Note [8-bit moments]).
+BLOCK = ALIGN
 
 
 # ------------------------------------------------------------------------------------ moments

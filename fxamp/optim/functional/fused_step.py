@@ -1,38 +1,12 @@
 """The fused mixed-precision step as two pure functions of flat tensors, compiled once each.
 
-# Note [Hoisting per-step scalars]
-Inductor inlines pointwise producers into their consumers. If the bias corrections, the clip
-coefficient and the skip flag were computed in the same graph as the elementwise update, its
-vectorised loop would recompute `pow(beta, step)` and the divisions for every element (2.6-3.4x
-slower on CPU, ../../../shared/reference/MEASURED_HERE.md). So the step is two graphs:
-`prologue` does the one read-only reduction over the gradients (overflow flag, and the norm when
-clipping), advances the step count and the loss scale, and turns the hyperparameters into a
-[groups, K] tensor of scalars; `update` reads a row of that tensor per bucket and makes one
-elementwise pass over gradients, weights and states.
+`prologue` reduces over the gradients once (overflow flag, the norm when clipping), advances the
+step count and the loss scale and turns the hyperparameters into a tensor of per-group scalars;
+`update` makes one elementwise pass over gradients, weights and states. A skipped step is a
+select inside `update`; each optimizer compiles its own copies (`compiled()`).
 
-# Note [Skipping without a host read]
-Overflow never leaves the device. The prologue advances the step count by `~found_inf`, and the
-update writes `where(skip, old, new)` into every weight, state and model parameter, so a skipped
-step leaves all of them bit-identical (the model copy is the cast of an unchanged master). A
-step is also skipped when the loss scale itself is not a positive finite number, so no weight
-is ever updated by gradients divided by 0, inf or NaN. The
-Python side only learns about it when someone asks (`last_step_skipped()`).
-
-# Note [One compiled step per optimizer]
-Each optimizer (and each FP16_Optimizer, each LossScaler) compiles its own copies of these
-functions (`compiled()`, through `_compat.compile_fresh`), rather than all of them sharing one
-`torch.compile` of each. Shared, every structure in the process (number of buckets, dtypes,
-update rule, clipping, loss-scale rule, process group) is one more cache entry on one code
-object, and Dynamo refuses past its recompile limit (8 by default; under fullgraph=True that
-is an error), so a program with a dozen different optimizers failed unless the limit was raised
-(`recompile_limit=`, a keyword torch 2.11 does not have). One optimizer's structure is fixed
-when it is built, so its own cache holds the few variants one step meets (with and without a
-scaler, folded gradients), whatever else the process compiles, and dies with the optimizer.
-Sizes are static (`dynamic=False`): an optimizer's buffers never change size, so the kernels
-are specialised to the real sizes (no symbolic sizes, 32-bit indexing); a second optimizer of
-the same structure and sizes gets its kernels from Inductor's FX graph cache instead of
-compiling them again. Marking sizes dynamic in one shared function was the alternative; it
-still recompiles per structure, so it does not remove the limit.
+Design (docs/design.md): Note [Hoisting per-step scalars], Note [Skipping without a host read],
+Note [One compiled step per optimizer].
 """
 
 from __future__ import annotations
@@ -123,10 +97,10 @@ def update(weights: Sequence[tuple[Tensor, ...]], grads: Sequence[Tensor],
     the states and the model copy.
 
     `weights[i]` is the bucket's weight buffers (the master or parameters, and a correction
-    for a 16-bit master, Note [16-bit masters] in codecs.py) and `masters[i]` their kind;
+    for a 16-bit master, Note [16-bit masters] in docs/design.md) and `masters[i]` their kind;
     each state is a tuple of buffers (one, or int8 codes and scales, Note [8-bit moments]);
     `unsigned[k]` says whether state k is non-negative, `stochastic[k]` whether it is rounded
-    stochastically (Note [Rounding compact moments stochastically] in codecs.py).
+    stochastically (Note [Rounding compact moments stochastically] in docs/design.md).
     """
     for i, (w, g, st, model, gi, ax) in enumerate(zip(weights, grads, states, models, groups,
                                                       aux)):
@@ -195,7 +169,7 @@ def unscale_grads(raws: Sequence[Tensor], accs: Sequence[Optional[Tensor]],
     """raw = acc + raw * inv_scale in raw's dtype, in place, OR-ing raw's overflow into `found`;
     where `keep`, acc holds the same sum in fp32 (the step's gradient: 16-bit parameters with
     fp32 masters), else acc (if any) is zeroed. One pass: Apex's unscale at a scale_loss exit
-    (Note [.grad after a scale_loss exit] in folding.py)."""
+    (Note [.grad after a scale_loss exit] in docs/design.md)."""
     flag = found | ~scale_is_valid(inv_scale)
     for raw, acc, kept in zip(raws, accs, keep):
         flag = flag | ~torch.isfinite(raw).all()

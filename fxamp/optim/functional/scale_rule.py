@@ -42,7 +42,9 @@ _FLOOR_HINT = (f" (the floor of a dynamic scale, {DEFAULT_MIN_LOSS_SCALE} by def
                "smaller positive number such as 2**-24 for a lower floor)")
 
 
-# Defaults per semantics (see ../../../shared/reference/AMP_SEMANTICS.md, "Loss scaling").
+# Defaults per semantics, as each project ships them: Apex amp's dynamic LossScaler (at most
+# 2**24), torch.amp.GradScaler (no maximum), DeepSpeed's DynamicLossScaler (grows every 1000
+# clean steps, floor 1, a hysteresis of 2 overflows).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "apex": dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                  min_loss_scale=DEFAULT_MIN_LOSS_SCALE, max_loss_scale=2.0**24, hysteresis=1),
@@ -104,7 +106,7 @@ def next_scale_state(scale: torch.Tensor, tracker: torch.Tensor, hysteresis: tor
 
 def scale_is_valid(scale: torch.Tensor) -> torch.Tensor:
     """Whether a scale tensor is a positive finite number (a device bool, no host read); a step
-    whose scale is not is skipped (Note [Skipping without a host read] in fused_step.py)."""
+    whose scale is not is skipped (Note [Skipping without a host read] in docs/design.md)."""
     return torch.isfinite(scale) & (scale > 0)
 
 
@@ -124,7 +126,7 @@ def update_in_place(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
 
 def compiled_update():
     """`update_in_place` compiled for one LossScaler (Note [One compiled step per optimizer]
-    in fused_step.py)."""
+    in docs/design.md)."""
     return compile_fresh(update_in_place, fullgraph=True, dynamic=False)
 
 

@@ -1,33 +1,11 @@
 """Apex's `scale_loss` exits: each call's gradients are unscaled by the scale its loss was
 multiplied by, checked on their own, and move the scale, without a host read.
 
-# Note [Apex's scale_loss exits]
-Apex unscaled at every `scale_loss` exit: the gradients of that backward, divided by the scale
-of that loss, were checked for inf/nan, `update_scale` moved the scale, and on overflow the next
-`step()` of every optimizer passed to that call was a skip. So with one scaler shared by several
-optimizers and several losses (Apex's default `num_losses=1`) each optimizer unscales by the
-scale its gradients were made with, the next loss is scaled by the scale the last exit left, and
-an overflow in a loss over `[opt0]` skips opt0 only, while an overflow anywhere in a loss over
-`[opt0, opt1]` skips both.
+An exit is recorded on the scaler (`LossScaler.pending_exit`) and resolved before anything can
+tell the difference (the next scale, backward, step, zero_grad, unscale_ or master_params); in
+the usual loop (one loss, one optimizer) the fused step itself is the resolution.
 
-fxamp keeps that rule but not its cost in the common loop. An exit is recorded on the scaler
-(`LossScaler.pending_exit`: the optimizers of the call) and *resolved* before anything can tell
-the difference: before the scaler scales another loss (the scale must be the one the exit left),
-before another backward reaches the optimizers' gradients (the next `scale_loss` entry), and at
-their `step`, `zero_grad`, `unscale_` or `master_params`. Resolving folds each optimizer's raw
-gradients, divided by the scale they carry, into its fp32 buffer (`fused_step.fold_grads`, one
-pass, no host read) and ORs their overflow into one device flag per exit; the scaler moves by
-that flag (`LossScaler.update`, on the device) and every optimizer of the call keeps the flag:
-its step ORs all its exits' flags into the skip (a select inside the compiled step). When the
-only thing left is one optimizer stepping the one exit it alone was in, with nothing folded (one
-loss, one optimizer: the usual loop), its fused step *is* the resolution: the prologue checks,
-unscales by the live scale (unchanged since the exit) and moves the scale, in one graph.
-`delay_unscale=True` records no exit: the gradients keep their scale, as in Apex, for the next
-exit (or step) to take.
-
-That deferred resolution is what `scale_loss(..., unscale_on_exit=False)` does. By default an
-exit is resolved at once and leaves `.grad` unscaled (`unscale`, Note [.grad after a scale_loss
-exit] in folding.py): the same fold and flag, in place, in one pass.
+Design (docs/design.md): Note [Apex's scale_loss exits], Note [.grad after a scale_loss exit].
 """
 
 from __future__ import annotations

@@ -1,39 +1,12 @@
 """Folding gradients that carry different loss scales: the state FusedOptimizer and
 FP16_Optimizer each compose (`opt.folding`), and the rule for which scaler a step divides by.
 
-Raw gradients carry the scale of the loss whose backward produced them. When a backward with
-another scaler is about to add to them (several losses), or when several optimizers must skip
-together (one loss over several optimizers), they are folded: added, unscaled, to fp32 buffers
-by `fused_step.fold_grads`, which ORs their overflow into the flag of the scaler's `FoldRound`.
-The optimizer remembers the scalers it folded; at its step it skips if any of them saw an
-overflow, then leaves their rounds, and each scaler moves by its own flag once the last
-optimizer of its round has left. `scale_loss` exits fold with a flag of their own instead, and
-move the scaler when they are resolved (Note [Apex's scale_loss exits] in exits.py).
+Gradients of several scalers, losses or optimizers that must skip together are folded (added,
+unscaled, into fp32 buffers, their overflow ORed into the scaler's `FoldRound`); the step skips
+if any folded scaler overflowed, and each scaler moves once the last optimizer of its round left.
 
-# Note [Which scaler a step divides by]
-One rule, `GradientFolding.scaler_for`, for `step`, `unscale_`, `fxamp.optim.unscale_` and
-`master_params`: the scaler whose scale the raw gradients carry, which is (1) the one the last
-backward through `scale_loss` (or FP16_Optimizer.backward) used; else (2) the scaler passed to
-the call; else (3) the first of the optimizer's `loss_scalers` (initialize's, see
-`set_loss_scalers`); none of (2) and (3) once `scale_loss` exits have folded the gradients
-(they carry no scale any more, and their scaler moved already). No scaler at all: the gradients
-are taken as unscaled, after `scaled_graphs.check_no_pending_scale` has made sure that no
-scaled backward reached them. `unscale_(scaler)` given a scaler divides by that one.
-
-# Note [.grad after a scale_loss exit]
-Apex unscaled at every `scale_loss` exit, so Apex scripts read `.grad` right after the block:
-they clip `model.parameters()` or log gradient norms there. So an exit (unless
-`unscale_on_exit=False`) divides the gradients of its backward by the scale in place, adds what
-was folded before, and ORs their overflow into the exit's flag: one pass
-(`fused_step.unscale_grads`), no host read; the scale moves by the flag at once and the
-optimizers of the call keep it for their step. The optimizer is then *unscaled*
-(`GradientFolding.unscaled`): `.grad` holds the gradients the step takes. For 16-bit
-parameters with fp32 masters (O2), `.grad` holds them rounded to the model's dtype (fp16 would
-lose the small ones that loss scaling exists to keep), and the exact fp32 sum stays in the
-bucket's `acc`, which the step takes unless `.grad` was written since the exit (a clip, a
-`model.zero_grad()`: the version of the flat gradient moved); then the step takes `.grad` as
-written. Another backward into unscaled gradients first settles them into `acc` (Apex's
-stashed gradients); `opt.step(scaler)` without `scale_loss` keeps the deferred unscale.
+Design (docs/design.md): Note [Folding gradients of several scales], Note [Which scaler a step
+divides by], Note [.grad after a scale_loss exit].
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class MasterGrads:
                unscaled: Optional[Sequence[torch.Tensor]] = None) -> None:
         """Compute the master gradients from the raw ones, unless they are still current;
         `unscaled`: per bucket, the unscaled gradients to take instead (Note [.grad after a
-        scale_loss exit] in folding.py)."""
+        scale_loss exit] in docs/design.md)."""
         if self.current(buckets, scaler) is not None:
             return  # a second call yields the same (maybe clipped) gradients, as Apex's did
         if len(self.buffers) != len(buckets):
