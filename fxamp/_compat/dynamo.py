@@ -1,4 +1,4 @@
-"""Dynamo: its exceptions, counters and caches, its AOTAutograd backends, fresh compiled functions."""
+"""Dynamo: its exceptions, counters and caches, its AOTAutograd backends, fresh compiles."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""nn.Module internals (own tensors, the compiled-call slot, norm base classes), autocast targets."""
+"""nn.Module internals (own tensors, the compiled-call slot, norm bases), autocast targets."""
 
 from __future__ import annotations
 
