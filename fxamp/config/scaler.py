@@ -19,11 +19,11 @@ class ScalerConfig:
     (`config.loss_scale` is `config.scaler.loss_scale`).
 
     Attributes:
-        master_weights: keep fp32 master copies of low-precision parameters in the optimizer
-            (None: the opt level's default; O1 refuses any value).
+        master_weights: keep fp32 master copies of low-precision parameters in the optimizer;
+            None at O1, whose fp32 weights are their own masters (O1 refuses a value).
         loss_scale: a positive number (a static scale) or "dynamic".
         min_loss_scale: the dynamic scale's floor, or None (1.0).
-        max_loss_scale: the dynamic scale's cap.
+        max_loss_scale: the dynamic scale's cap, or None (no cap).
         num_losses: how many losses `scale_loss(loss_id=...)` scales, each by a loss scaler of
             its own (Apex's `num_losses`).
     """
