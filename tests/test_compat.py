@@ -1,4 +1,4 @@
-"""fxamp/_compat.py holds every private torch API the package uses, and what it relies on holds
+"""fxamp/_compat/ holds every private torch API the package uses, and what it relies on holds
 on the installed torch (the CI legs run this on 2.11.0, 2.13.0 and 2.14.1)."""
 
 import io
@@ -12,9 +12,10 @@ import torch
 from fxamp import _compat
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "fxamp"
+COMPAT = PACKAGE / "_compat"
 
 # Private names reached on objects rather than through `torch.` (and the node metadata keys
-# AOTAutograd writes): only _compat.py may spell them.
+# AOTAutograd writes): only fxamp/_compat/ may spell them.
 PRIVATE_ATTRIBUTES = frozenset({
     "_compiled_call_impl", "_call_impl", "_parameters", "_buffers", "_rename",
     "_get_active_ddp_module", "_get_zeros_like_grad_buckets", "_enter_autocast",
@@ -41,7 +42,7 @@ def _dotted_names(tokens):
 
 
 def _private_uses(path, root=PACKAGE.parent):
-    """'file:line: what' for each private torch name used in `path` outside _compat.py."""
+    """'file:line: what' for each private torch name used in `path` outside fxamp/_compat/."""
     source = path.read_text()
     tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
     found = []
@@ -62,9 +63,10 @@ def _private_uses(path, root=PACKAGE.parent):
 
 
 def test_private_torch_apis_are_used_only_through_compat():
-    uses = [use for path in sorted(PACKAGE.rglob("*.py")) if path.name != "_compat.py"
+    assert sorted(COMPAT.glob("*.py")), "fxamp/_compat/ not found"
+    uses = [use for path in sorted(PACKAGE.rglob("*.py")) if COMPAT not in path.parents
             for use in _private_uses(path)]
-    assert not uses, "private torch APIs outside fxamp/_compat.py:\n" + "\n".join(uses)
+    assert not uses, "private torch APIs outside fxamp/_compat/:\n" + "\n".join(uses)
 
 
 def test_the_private_api_check_finds_what_it_should(tmp_path):

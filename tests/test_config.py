@@ -1,5 +1,6 @@
 """Opt-level presets, Apex's override checks (by message text), and the compile-time guards."""
 
+import dataclasses
 import re
 
 import pytest
@@ -69,6 +70,19 @@ def test_config_is_frozen_hashable_and_keyed():
     assert len(a.cache_key()) == 16 and AmpConfig().cache_key() == AmpConfig().cache_key()
     with pytest.raises(Exception):
         a.opt_level = "O2"
+
+
+def test_every_field_of_the_parts_is_a_declared_attribute_of_the_config():
+    # Declared on AmpConfig (not forwarded by __getattr__), each reading its part's field.
+    config = AmpConfig.from_opt_level("O2", loss_scale=128.0, num_losses=2,
+                                      module_overrides={"fc": "fp32"}).resolve("cpu")
+    for part in ("graph", "scaler"):
+        for field in dataclasses.fields(getattr(config, part)):
+            assert field.name in vars(AmpConfig), field.name
+            assert getattr(config, field.name) is getattr(getattr(config, part), field.name)
+    assert not hasattr(AmpConfig, "__getattr__")
+    with pytest.raises(AttributeError):
+        config.no_such_setting
 
 
 def _model():

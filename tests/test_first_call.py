@@ -7,12 +7,15 @@ bf16 after the refusal, the banned op came wrapped in BackendCompilerFailed, and
 after compile gave an AssertionError from inside Dynamo.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import fxamp
 from fxamp import BannedOpError, ConfigError
+from fxamp.model.sharded_modules import compile_sharded_modules
 
 
 class Breaks(torch.nn.Module):
@@ -96,3 +99,19 @@ def test_model_cast_after_compile_is_named():
                                           r"torch.bfloat16\) of Breaks changed dtype after "
                                           r"fxamp.compile stored it for O2 \(model.float\(\)"):
         model(torch.randn(3, 4))
+
+
+def test_the_sharded_modules_forwards_go_back_on_the_undo_stack():
+    # At the first call, the modules FSDP2 sharded get compiled forwards (Note [Sharded modules
+    # are compiled one by one]); a refusal closes the undo stack, which puts each forward back:
+    # none for a module that had none, the instance's own for one that had it.
+    model, x = Breaks(), torch.randn(3, 4)
+    own = model.b.forward
+    model.b.forward = own
+    undo = contextlib.ExitStack()
+    compile_sharded_modules(model, [("a", model.a), ("b", model.b)],
+                            lambda fn, path, module_type: fn, undo)
+    assert "forward" in vars(model.a) and vars(model.b)["forward"] is not own
+    assert torch.equal(model.a(x), F.linear(x, model.a.weight, model.a.bias))
+    undo.close()
+    assert "forward" not in vars(model.a) and vars(model.b)["forward"] is own

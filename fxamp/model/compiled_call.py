@@ -8,14 +8,17 @@ come from the graph: a banned op, batch_norm statistics in the wrong dtype, a gr
 call succeeds, the model keeps its original tensors (the cast's `CastRecord`), and a refusal at
 that call puts everything back: the original tensors (bit-identical), the state-dict hook, the
 compiled call and fxamp's marker. The user can then retry `fxamp.compile` with the fix that the
-error names. The cost is the original tensors' memory between `fxamp.compile` and the end of the
-first call (at O2, the fp32 weights next to their bf16 copies); they are freed as soon as it
-succeeds. A failure is only examined when it happens: a call that succeeds costs one Python
-method call more than the bare compiled function.
+error names. Each change `fxamp.compile` makes registers its undo on one `contextlib.ExitStack`
+(the sharded modules' compiled forwards join it at the first call), closed at a refusal and
+dropped at the first success. The cost is the original tensors' memory between `fxamp.compile`
+and the end of the first call (at O2, the fp32 weights next to their bf16 copies); they are
+freed as soon as it succeeds. A failure is only examined when it happens: a call that succeeds
+costs one Python method call more than the bare compiled function.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,11 +40,13 @@ class CompiledCall:
     """`model._compiled_call_impl` as `fxamp.compile` sets it."""
 
     def __init__(self, model: torch.nn.Module, compiled: Callable[..., Any], config: AmpConfig,
-                 unprepare: Optional[Callable[[], None]], record: Optional[CastRecord],
-                 first_call: Callable[[], Callable[[], None]]) -> None:
+                 undo: Optional[contextlib.ExitStack], record: Optional[CastRecord],
+                 first_call: Callable[[contextlib.ExitStack], None]) -> None:
+        """`undo` holds what puts the model back at a refused first call (None: nothing to
+        put back); `first_call(undo)` runs before it and registers its own changes there."""
         self._model, self._compiled, self._config = model, compiled, config
-        self._unprepare, self._record = unprepare, record
-        self._first_call: Optional[Callable[[], Callable[[], None]]] = first_call
+        self._undo, self._record = undo, record
+        self._first_call: Optional[Callable[[contextlib.ExitStack], None]] = first_call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
@@ -51,25 +56,24 @@ class CompiledCall:
         except Exception as e:
             self._fail(e)
             raise
-        if self._unprepare is not None:  # the first call succeeded: nothing to undo any more
-            self._unprepare = None
+        if self._undo is not None:  # the first call succeeded: nothing to undo any more
+            self._undo.pop_all()
+            self._undo = None
             self._record.release()
         return out
 
     def _at_first_call(self) -> None:
-        undo, self._first_call = self._first_call(), None
-        if self._unprepare is not None:
-            unprepare = self._unprepare
-            self._unprepare = lambda: (undo(), unprepare())
+        first_call, self._first_call = self._first_call, None
+        first_call(contextlib.ExitStack() if self._undo is None else self._undo)
 
     def _fail(self, error: Exception) -> None:
         try:
             check_storage(self._model, self._config)  # Dynamo may fail on a recast model
         except ConfigError as recast:                 # before the backend runs
             raise recast from error
-        if self._unprepare is not None and isinstance(error, _COMPILE_FAILURES):
-            self._unprepare()
-            self._unprepare = None
+        if self._undo is not None and isinstance(error, _COMPILE_FAILURES):
+            undo, self._undo = self._undo, None
+            undo.close()
             raise _unwrapped(error) from None
         own = fxamp_error(error)
         if own is not None and own is not error:

@@ -10,6 +10,7 @@ compiled_call.py covers refusals that only the first call can make). `backend_of
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 from typing import Any, Callable, Optional
@@ -185,38 +186,40 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
     With the `record` of the cast, a refusal at the first call restores the model.
     """
+    # Note [Un-preparing a refused model]: each change registers its undo as it is made.
+    undo = contextlib.ExitStack()
+    if record is not None:
+        undo.callback(record.undo)
     # A copy being rebuilt (copies.py) is not initialised yet: it gets the original's history.
     initialised = "_buffers" in model.__dict__
     history_hook = attach_history(model, fxamp_backend.config.float8) if initialised else None
+    if history_hook is not None:
+        undo.callback(detach_history, model, history_hook)
     forward = boundary_forward(model, fxamp_backend.config)
     compiled = with_policy_autocast(
         torch.compile(forward, backend=fxamp_backend, dynamic=settings.dynamic,
                       fullgraph=settings.fullgraph), fxamp_backend.config,
         recurrent=_has_recurrent(model))
 
-    def unprepare() -> None:
-        record.undo()
-        if history_hook is not None:
-            detach_history(model, history_hook)
-        _compat.set_compiled_call(model, None)
-        delattr(model, _BACKEND_ATTR)
-        forget_copyable(model)
-
-    def first_call() -> Callable[[], None]:  # Note [Sharded modules are compiled one by one]
+    # Note [Sharded modules are compiled one by one]
+    def first_call(undo: contextlib.ExitStack) -> None:
         targets = modules_to_compile(model)
         check_sharded(targets, fxamp_backend.config)
         fxamp_backend.sharded_at_first_call = bool(targets)
-        return compile_sharded_modules(model, targets, lambda fn, path, module_type: torch.compile(
+        compile_sharded_modules(model, targets, lambda fn, path, module_type: torch.compile(
             fn, backend=fxamp_backend.for_module(path, module_type), dynamic=settings.dynamic,
-            fullgraph=settings.fullgraph))
+            fullgraph=settings.fullgraph), undo)
 
     fxamp_backend.model, fxamp_backend.settings = model, settings
     _compat.set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
-                                                  None if record is None else unprepare, record,
+                                                  None if record is None else undo, record,
                                                   first_call))
+    undo.callback(_compat.set_compiled_call, model, None)
     setattr(model, _BACKEND_ATTR, fxamp_backend)
+    undo.callback(delattr, model, _BACKEND_ATTR)
     # Note [Copies keep the compiled call]
     make_copyable(model, _rebuild_copy, (fxamp_backend.config, settings), _BACKEND_ATTR)
+    undo.callback(forget_copyable, model)
 
 
 def _has_recurrent(model: torch.nn.Module) -> Callable[[], bool]:

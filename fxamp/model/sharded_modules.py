@@ -11,6 +11,7 @@ Design (docs/design.md): Note [Sharded modules are compiled one by one].
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from typing import Any, Callable, Optional
@@ -125,24 +126,22 @@ def _forward_code(model: torch.nn.Module, path: str,
 
 def compile_sharded_modules(model: torch.nn.Module, targets: list[tuple[str, torch.nn.Module]],
                             compile_fn: Callable[[Callable[..., Any], str, type],
-                                                 Callable[..., Any]]) -> Callable[[], None]:
+                                                 Callable[..., Any]],
+                            undo: contextlib.ExitStack) -> None:
     """Give each module of `targets` (`modules_to_compile(model)`) a forward compiled by
     `compile_fn(function, path, class)` (torch.compile with the model's backend for that
-    module); returns the function that undoes it."""
-    previous = []
+    module); what puts each module's forward back goes on `undo`."""
     for path, module in targets:
         before = module.__dict__.get("forward")
         own = None if isinstance(before, _CompiledForward) else before
         compiled = compile_fn(_forward_code(model, path, own), path,
                               _compat.unsharded_class(type(module)))
-        previous.append((module, before))
         module.__dict__["forward"] = _CompiledForward(compiled, module)
+        undo.callback(_restore_forward, module, before)
 
-    def undo() -> None:
-        for module, before in previous:
-            if before is None:
-                module.__dict__.pop("forward", None)
-            else:
-                module.__dict__["forward"] = before
 
-    return undo
+def _restore_forward(module: torch.nn.Module, before: Optional[Callable[..., Any]]) -> None:
+    if before is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.__dict__["forward"] = before

@@ -3,7 +3,7 @@
 (`rules`: overrides, the batch_norm rule, a user's `NodePolicy`, the preset table).
 
 `fxamp.policy.rules` reads an AmpConfig, so it is imported from its module, not from here:
-config.py itself uses this package to check policies and op names when a config is built.
+fxamp.config itself uses this package to check policies and op names when a config is built.
 """
 
 from fxamp.policy.tables import (BANNED_ALTERNATIVES, ONE_DTYPE_OPS, PRESETS, preset_table,

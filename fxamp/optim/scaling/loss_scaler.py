@@ -17,7 +17,7 @@ import torch
 
 from fxamp import validation
 from fxamp.config import AmpConfig
-from fxamp.config_parts import as_loss_scale
+from fxamp.config.keywords import as_loss_scale
 from fxamp.errors import ConfigError
 from fxamp.optim.functional.scale_rule import (UNSET, build_rule, check_backoff_factor,
                                     check_growth_factor, check_growth_interval,

@@ -1,11 +1,9 @@
-"""Apex opt levels as a frozen, validated, hashable configuration.
+"""AmpConfig: Apex's opt levels as a frozen, validated, hashable configuration.
 
 `AmpConfig.from_opt_level("O2", keep_batchnorm_fp32=False)` reproduces `apex.amp.initialize`'s
-property table and its override checks. An AmpConfig is two parts (config_parts.py): the
-`graph` part the passes and the backend depend on, and the `scaler` part the optimizer and its
-loss scalers depend on; `config.opt_level`, `config.loss_scale`, ... read either. A config is
-complete once `resolve(device_type)` has filled in the defaults that depend on the device (the
-low-precision dtype and the op-policy preset); only resolved configs reach the graph passes.
+property table and its override checks. A config is complete once `resolve(device_type)` has
+filled in the defaults that depend on the device (the low-precision dtype and the op-policy
+preset); only resolved configs reach the graph passes.
 """
 
 from __future__ import annotations
@@ -16,14 +14,16 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from fxamp.config_parts import (OPT_LEVELS, GraphConfig, ScalerConfig, as_bool, as_dtype,
-                                as_loss_scale, as_model_type, check_opt_level)
+from fxamp.config.graph import GraphConfig
+from fxamp.config.keywords import (as_bool, as_dtype, as_loss_scale, as_model_type,
+                                   check_opt_level)
+from fxamp.config.scaler import ScalerConfig
 from fxamp.errors import ConfigError
 from fxamp.float8.config import as_float8_config
 from fxamp.policy import LOW_DTYPES, NodePolicy
 from fxamp.policy.names import override_key
 
-__all__ = ["AmpConfig", "GraphConfig", "ScalerConfig", "OPT_LEVELS"]
+__all__ = ["AmpConfig"]
 
 # Apex amp's opt-level table (https://nvidia.github.io/apex/amp.html). `None` for
 # cast_model_type means "the low-precision dtype" for O2/O3; O0 casts to fp32; O1 leaves the
@@ -39,45 +39,38 @@ _PRESETS: dict[str, dict[str, Any]] = {
                keep_batchnorm_fp32=False, master_weights=False, loss_scale=1.0),
 }
 
-_PART_OF = {**{f.name: "graph" for f in dataclasses.fields(GraphConfig)},
-            **{f.name: "scaler" for f in dataclasses.fields(ScalerConfig)}}
+
+class PartField:
+    """A read-only attribute of AmpConfig: the field of the same name of its `graph` or
+    `scaler` part, where it is documented."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"`config.{self.part}.{name}`."
+
+    def __get__(self, config: Optional["AmpConfig"], owner: Optional[type] = None) -> Any:
+        if config is None:
+            return self
+        return getattr(getattr(config, self.part), self.name)
 
 
 @dataclasses.dataclass(frozen=True)
 class AmpConfig:
     """Everything the fxamp passes and optimizers need to know, validated at construction.
 
-    Build one with `AmpConfig.from_opt_level`. Its two parts are `graph` (a GraphConfig: what
-    the model's graphs depend on, the backend's compile identity) and `scaler` (a
-    ScalerConfig: what the optimizer and loss scalers depend on); every attribute below reads
-    from its part.
+    Build one with `AmpConfig.from_opt_level`.
 
     Attributes:
-        opt_level: "O0" … "O3".
-        dtype: the low-precision dtype (float16 or bfloat16); None until `resolve` picks the
-            device default (float16 on CUDA, bfloat16 on CPU).
-        cast_model_type: the dtype parameters and buffers are stored in, or None to leave them
-            (at O2/O3 None becomes `dtype` when resolved); False leaves them at every level and
-            casts neither inputs nor outputs (Apex's `cast_model_type=False`).
-        patch_torch_functions: O1's per-op casting (kept under Apex's name).
-        keep_batchnorm_fp32: O2/O3: keep BatchNorm parameters, buffers and math in fp32.
-        cast_model_outputs: dtype floating outputs are cast to; None means fp32 at O2/O3 and
-            unchanged at O0/O1.
-        policy: op-table preset, "torch-cuda", "torch-cpu" or "apex"; None picks the torch
-            preset of the device.
-        custom_policy: a `fxamp.policy.NodePolicy` consulted before the preset (from_opt_level
-            takes it as `policy=`), or None.
-        op_overrides: (op, policy) pairs; op is an ATen overload or packet name like
-            "aten.softmax" or "aten.softmax.int" (checked against this torch build).
-        module_overrides: (module-path pattern or module class name, policy) pairs.
-        device_type: the compute device ("cpu", "cuda"); only its tensors are cast.
-        float8: a Float8Config to run the model's GEMMs in float8 on top of O1/O2/O3
-            (docs/float8.md), or None.
-        plan_reasons: (module path, reason) pairs a PrecisionPlan gave for its choices
-            (docs/planner.md); explain() prints each with the decisions of its module.
-        master_weights: keep fp32 master copies of low-precision parameters in the optimizer.
-        loss_scale: a positive number or "dynamic".
-        min_loss_scale, max_loss_scale, num_losses: loss-scaler settings (Apex names).
+        graph: what the model's graphs depend on, the backend's compile identity (a
+            GraphConfig, whose docstring documents each field).
+        scaler: what the optimizer and its loss scalers depend on (a ScalerConfig, likewise).
+
+    Every field of the two parts is also an attribute of the config, read-only:
+    `config.opt_level` is `config.graph.opt_level`, `config.loss_scale` is
+    `config.scaler.loss_scale`.
     """
 
     graph: GraphConfig = GraphConfig()
@@ -90,12 +83,26 @@ class AmpConfig:
                 "fp32, so they are their own master weights"
             )
 
-    def __getattr__(self, name: str) -> Any:
-        # Only for names that are not AmpConfig's own: the parts' fields, read flat.
-        part = _PART_OF.get(name)
-        if part is None:
-            raise AttributeError(f"AmpConfig has no attribute {name!r}")
-        return getattr(self.__dict__[part], name)
+    # The parts' fields by name (not dataclass fields: no annotation). tests/test_config.py
+    # checks that every field of both parts is here.
+    opt_level = PartField("graph")
+    dtype = PartField("graph")
+    cast_model_type = PartField("graph")
+    patch_torch_functions = PartField("graph")
+    keep_batchnorm_fp32 = PartField("graph")
+    cast_model_outputs = PartField("graph")
+    policy = PartField("graph")
+    custom_policy = PartField("graph")
+    op_overrides = PartField("graph")
+    module_overrides = PartField("graph")
+    device_type = PartField("graph")
+    float8 = PartField("graph")
+    plan_reasons = PartField("graph")
+    master_weights = PartField("scaler")
+    loss_scale = PartField("scaler")
+    min_loss_scale = PartField("scaler")
+    max_loss_scale = PartField("scaler")
+    num_losses = PartField("scaler")
 
     @classmethod
     def from_opt_level(

@@ -1,107 +1,53 @@
-"""The two parts of an AmpConfig: what the graph passes depend on (`GraphConfig`, the
-backend's compile identity) and what the optimizer and its loss scalers depend on
-(`ScalerConfig`). `AmpConfig.from_opt_level` composes them from Apex's keywords; a change to a
-loss-scale setting never changes a model's compiled graphs.
-"""
+"""The part of an AmpConfig the graph passes, the model's cast and the backend depend on (the
+backend's compile identity)."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 import torch
 
-from fxamp import validation
+from fxamp.config.keywords import as_dtype, check_opt_level, digest
 from fxamp.errors import ConfigError
 from fxamp.float8.config import Float8Config
 from fxamp.policy import LOW_DTYPES, OVERRIDE_CHOICES, PRESETS, NodePolicy
 from fxamp.policy.names import check_override_key
 
-__all__ = ["GraphConfig", "ScalerConfig", "OPT_LEVELS", "check_opt_level", "as_dtype",
-           "as_bool", "as_loss_scale", "as_model_type"]
-
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
-
-_DTYPE_NAMES = {
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-}
-
-
-def as_dtype(value: Any, what: str, allowed: tuple[torch.dtype, ...]) -> torch.dtype:
-    dtype = _DTYPE_NAMES.get(value, value) if isinstance(value, str) else value
-    if dtype not in allowed:
-        names = ", ".join(str(d) for d in allowed)
-        raise ConfigError(f"{what}={value!r} is not one of {names}")
-    return dtype
-
-
-def as_model_type(value: Any) -> Union[torch.dtype, bool]:
-    # Apex casts the model only `if properties.cast_model_type:`, so False (multi-model and
-    # fine-tuning scripts pass it) means "leave the model's dtypes alone" at every level.
-    if value is False:
-        return False
-    if value is True or value in ("True", "False"):
-        raise ConfigError(f"cast_model_type={value!r} must be a dtype (torch.float16, "
-                          "torch.bfloat16, torch.float32) or False (the bool: leave the model's "
-                          "dtypes alone)")
-    return as_dtype(value, "cast_model_type", (torch.float32, *LOW_DTYPES))
-
-
-def as_bool(value: Any, what: str) -> bool:
-    # Apex accepts the strings "True"/"False" because its launch scripts pass argv through.
-    if isinstance(value, bool):
-        return value
-    if value in ("True", "False"):
-        return value == "True"
-    raise ConfigError(f"{what}={value!r} must be True, False, 'True' or 'False'")
-
-
-def as_loss_scale(value: Any) -> Union[float, str]:
-    if value == "dynamic" and isinstance(value, str):
-        return "dynamic"
-    if isinstance(value, str):  # Apex's launch scripts pass "128.0" through from argv
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"loss_scale={value!r} must be a positive number, a numeric "
-                              "string or 'dynamic'") from None
-    return validation.positive_finite(value, "loss_scale", " or 'dynamic'")
-
-
-def check_scaler_bounds(min_scale: Any, max_scale: Any) -> None:
-    if min_scale is not None:
-        validation.positive_finite(min_scale, "min_loss_scale",
-                                   " or None (the default floor, 1.0)")
-    if max_scale is not None:
-        validation.positive_finite(max_scale, "max_loss_scale", " or None (no cap)")
-    if min_scale is not None and max_scale is not None and min_scale > max_scale:
-        raise ConfigError(f"min_loss_scale={min_scale!r} exceeds max_loss_scale={max_scale!r}; "
-                          "the floor must be <= the cap")
-
-
-def check_opt_level(opt_level: Any) -> str:
-    if opt_level in OPT_LEVELS:
-        return opt_level
-    hint = ""
-    if isinstance(opt_level, str) and opt_level.upper().replace("0", "O", 1) in OPT_LEVELS:
-        hint = (" (the prefix is the letter O, not the number zero)" if opt_level[:1] == "0"
-                else " (the prefix is an upper-case letter O)")
-    raise ConfigError(f"opt_level {opt_level!r} is not one of 'O0', 'O1', 'O2', 'O3'{hint}")
-
-
-def _digest(config: Any) -> str:
-    """A digest that is stable across processes (dtype objects hash by id)."""
-    fields = ((f.name, str(getattr(config, f.name))) for f in dataclasses.fields(config))
-    return hashlib.sha256(repr(tuple(fields)).encode()).hexdigest()[:16]
+__all__ = ["GraphConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphConfig:
-    """What the graph passes, the model's cast and the backend depend on (AmpConfig's
-    attributes of the same names document them); the backend keys on this part only."""
+    """What the graph passes, the model's cast and the backend depend on; the backend keys on
+    this part only. Built by `AmpConfig.from_opt_level`; each field is also an attribute of
+    the AmpConfig (`config.opt_level` is `config.graph.opt_level`).
+
+    Attributes:
+        opt_level: "O0" … "O3".
+        dtype: the low-precision dtype (float16 or bfloat16); None until `resolve` picks the
+            device default (float16 on CUDA, bfloat16 on CPU).
+        cast_model_type: the dtype parameters and buffers are stored in, or None to leave them
+            (at O2/O3 None becomes `dtype` when resolved); False leaves them at every level and
+            casts neither inputs nor outputs (Apex's `cast_model_type=False`).
+        patch_torch_functions: O1's per-op casting (kept under Apex's name).
+        keep_batchnorm_fp32: O2/O3: keep BatchNorm parameters, buffers and math in fp32.
+        cast_model_outputs: dtype floating outputs are cast to; None means fp32 at O2/O3 and
+            unchanged at O0/O1.
+        policy: op-table preset, "torch-cuda", "torch-cpu" or "apex"; None picks the torch
+            preset of the device.
+        custom_policy: a `fxamp.policy.NodePolicy` consulted before the preset (from_opt_level
+            takes it as `policy=`), or None.
+        op_overrides: (op, policy) pairs; op is an ATen overload or packet name like
+            "aten.softmax" or "aten.softmax.int" (checked against this torch build).
+        module_overrides: (module-path pattern or module class name, policy) pairs.
+        device_type: the compute device ("cpu", "cuda"); only its tensors are cast. None until
+            `resolve`.
+        float8: a Float8Config to run the model's GEMMs in float8 on top of O1/O2/O3
+            (docs/float8.md), or None.
+        plan_reasons: (module path, reason) pairs a PrecisionPlan gave for its choices
+            (docs/planner.md); explain() prints each with the decisions of its module.
+    """
 
     opt_level: str = "O1"
     dtype: Optional[torch.dtype] = None
@@ -211,26 +157,4 @@ class GraphConfig:
 
     def cache_key(self) -> str:
         """A digest that is stable across processes (dtype objects hash by id)."""
-        return _digest(self)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScalerConfig:
-    """What the optimizer and its loss scalers depend on (Apex's names): fp32 master weights,
-    the loss scale ("dynamic" or a number), its floor and cap, and the number of losses."""
-
-    master_weights: Optional[bool] = None
-    loss_scale: Union[float, str] = "dynamic"
-    min_loss_scale: Optional[float] = None
-    max_loss_scale: float = 2.0**24
-    num_losses: int = 1
-
-    def __post_init__(self) -> None:
-        if type(self.num_losses) is not int or self.num_losses < 1:
-            raise ConfigError(f"num_losses={self.num_losses!r} must be a positive int (1, 2, ...)")
-        if self.loss_scale != "dynamic":
-            as_loss_scale(self.loss_scale)
-        check_scaler_bounds(self.min_loss_scale, self.max_loss_scale)
-
-    def cache_key(self) -> str:
-        return _digest(self)
+        return digest(self)

@@ -1,0 +1,82 @@
+"""Dynamo: its exceptions, counters and caches, its AOTAutograd backends, fresh compiles."""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+# Checked on 2.11.0, 2.13.0, 2.14.1.
+import torch._dynamo.exc as _dynamo_exc
+from torch._dynamo.utils import counters as dynamo_counters  # noqa: F401
+
+# Checked on 2.11.0, 2.13.0, 2.14.1.
+BackendCompilerFailed = _dynamo_exc.BackendCompilerFailed
+Unsupported = _dynamo_exc.Unsupported
+UserError = _dynamo_exc.UserError  # e.g. a data-dependent branch under fullgraph=True
+
+
+def aot_eager(gm: fx.GraphModule, example_inputs: Any, **kwargs: Any):
+    """Dynamo's "aot_eager" backend (AOTAutograd, no Inductor); takes fw_/bw_compiler.
+    Checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._dynamo.backends.debugging import aot_eager as dynamo_aot_eager
+
+    return dynamo_aot_eager(gm, example_inputs, **kwargs)
+
+
+def aot_autograd(**kwargs: Any) -> Callable:
+    """A Dynamo backend running AOTAutograd with the given fw_/bw_compiler. Checked on 2.11.0,
+    2.13.0, 2.14.1."""
+    from torch._dynamo.backends.common import aot_autograd as dynamo_aot_autograd
+
+    return dynamo_aot_autograd(**kwargs)
+
+
+def compile_fresh(fn: Callable, **compile_kwargs: Any) -> Callable:
+    """`torch.compile(fn, **compile_kwargs)` with a Dynamo cache of its own.
+
+    Dynamo keeps its compiled entries, and counts them against its recompile limit (8 by
+    default), per code object, and closures or repeated `torch.compile` calls of one function
+    share its code object. A copy of the code object (equal, not identical) starts an empty
+    cache that dies with the returned function. Checked on 2.11.0, 2.13.0, 2.14.1
+    (tests/test_compat.py: twelve copies each take a graph of their own, one function taking
+    the same twelve graphs hits the limit). See Note [One compiled step per optimizer] in
+    fxamp/optim/functional/fused_step.py.
+    """
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
+    return torch.compile(copy, **compile_kwargs)
+
+
+def compile_time_metrics() -> dict[str, list[float]]:
+    """Seconds per call of each function torch times while compiling (`dynamo_timed`), by name
+    (benchmarks/compile_breakdown.py). The names read there, `_compile.compile_inner`,
+    `OutputGraph.call_user_compiler`, `create_aot_dispatcher_function`,
+    `compile_fx.<locals>.bw_compiler` and `compile_fx_inner`, checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return compilation_time_metrics
+
+
+_CACHE_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("inductor", "fxgraph_cache_miss"),
+                   ("inductor", "fxgraph_cache_bypass"), ("aot_autograd", "autograd_cache_hit"),
+                   ("aot_autograd", "autograd_cache_miss"),
+                   ("aot_autograd", "autograd_cache_bypass"))
+
+
+def compile_cache_counters() -> dict[str, int]:
+    """Hits, misses and bypasses of Inductor's FX graph cache and AOTAutograd's cache so far in
+    this process. Checked on 2.11.0, 2.13.0, 2.14.1."""
+    return {name: dynamo_counters[group][name] for group, name in _CACHE_COUNTERS}
+
+
+def dynamo_traces_rnns() -> bool:
+    """Whether Dynamo traces nn.RNN/GRU/LSTM (`torch._dynamo.config.allow_rnn`, off by default:
+    they run eagerly). Checked on 2.11.0, 2.13.0, 2.14.1."""
+    import torch._dynamo.config as dynamo_config
+
+    return bool(getattr(dynamo_config, "allow_rnn", False))
