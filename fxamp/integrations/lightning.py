@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 import fxamp
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
+from fxamp.model.prepare import undo_before_first_call
 from fxamp.optim.scaling.loss_scaler import LossScaler
 from fxamp.optim.master_check import check_master_weights
 
@@ -64,6 +65,7 @@ class Precision(LightningPrecision):
         self.scaler: Optional[LossScaler] = None if scaler == _AUTO else scaler
         self._auto_scaler = scaler == _AUTO
         self._pending_state: Optional[dict] = None
+        self._compiled_here: Optional["weakref.ref[torch.nn.Module]"] = None
         self._warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.log_scale = log_scale
         self.precision = _precision_name(self.config)
@@ -73,6 +75,7 @@ class Precision(LightningPrecision):
         """`fxamp.compile` the module in place (O2/O3: its weights become 16-bit here)."""
         if fxamp.config_of(module) is None:
             fxamp.compile(module, config=self.config, **self._compile_kwargs)
+            self._compiled_here = weakref.ref(module)
         config = fxamp.config_of(module)
         self.precision = _precision_name(config)
         if self._auto_scaler and self.scaler is None and _scales(config):
@@ -85,9 +88,18 @@ class Precision(LightningPrecision):
     def connect(self, model: torch.nn.Module, optimizers: list, lr_schedulers: list) -> tuple:
         """Refuse float16 weights that a torch.optim optimizer would step without fp32 masters
         (bfloat16 ones warn once): Note [16-bit weights need fp32 masters]."""
-        for optimizer in optimizers:
-            check_master_weights(optimizer, "fxamp.integrations.lightning.Precision",
-                                 self._warned)
+        try:
+            for optimizer in optimizers:
+                check_master_weights(optimizer, "fxamp.integrations.lightning.Precision",
+                                     self._warned)
+        except ConfigError:
+            # Refused after convert_module cast the weights: the model goes back as it was.
+            module = self._compiled_here() if self._compiled_here is not None else None
+            if module is not None and undo_before_first_call(module):
+                self._compiled_here = None
+                if self._auto_scaler:
+                    self.scaler = None
+            raise
         return model, optimizers, lr_schedulers
 
     # ---------------------------------------------------------------- backward and the step

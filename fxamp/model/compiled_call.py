@@ -62,6 +62,16 @@ class CompiledCall:
             self._record.release()
         return out
 
+    def undo_before_first_call(self) -> bool:
+        """Put the model back as it was before `fxamp.compile` (bit for bit) if no call has
+        succeeded yet: for a refusal that comes after `fxamp.compile` but before the model
+        runs (a trainer's check of its optimizers). Returns whether it did."""
+        if self._undo is None:
+            return False
+        undo, self._undo = self._undo, None
+        undo.close()
+        return True
+
     def _at_first_call(self) -> None:
         first_call, self._first_call = self._first_call, None
         first_call(contextlib.ExitStack() if self._undo is None else self._undo)

@@ -94,6 +94,13 @@ def config_of(model: torch.nn.Module) -> Optional[AmpConfig]:
     return None if backend is None else backend.config
 
 
+def undo_before_first_call(model: torch.nn.Module) -> bool:
+    """Put a model `fxamp.compile` prepared back as it was, bit for bit, if it has not run yet
+    (`CompiledCall.undo_before_first_call`); returns whether it did."""
+    call = getattr(model, "_compiled_call_impl", None)
+    return isinstance(call, CompiledCall) and call.undo_before_first_call()
+
+
 def requested_config(config: Any, opt_level: Optional[str], overrides: dict[str, Any],
                      where: str) -> Optional[AmpConfig]:
     """The config an entry point was asked for, or None when it was asked for none."""

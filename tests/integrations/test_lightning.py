@@ -168,8 +168,18 @@ def test_scaler_state_loaded_before_the_module_is_converted():
 
 def test_fp16_weights_with_a_torch_optimizer_are_refused():
     model = Tiny(make_opt=lambda ps: torch.optim.AdamW(ps, lr=LR))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plugin = _plugin()
     with pytest.raises(ConfigError, match="fxamp.optim.AdamW"):
-        _trainer(_plugin()).fit(model, _loader())
+        _trainer(plugin).fit(model, _loader())
+    # The model is put back as it was (fp32, bit for bit, not prepared): the fix the message
+    # names can be applied to it and fit run again.
+    assert fxamp.config_of(model) is None and plugin.scaler is None
+    assert all(torch.equal(v, before[k]) and v.dtype == before[k].dtype
+               for k, v in model.state_dict().items())
+    model.make_opt = lambda ps: fo.AdamW(ps, lr=LR, compile=False)
+    _trainer(_plugin(), max_steps=2).fit(model, _loader())
+    assert fxamp.config_of(model) is not None
 
 
 def test_bf16_weights_with_a_torch_optimizer_warn_once():
