@@ -11,57 +11,62 @@ an overflow in a loss over `[opt0]` skips opt0 only, while an overflow anywhere 
 `[opt0, opt1]` skips both.
 
 fxamp keeps that rule but not its cost in the common loop. An exit is recorded on the scaler
-(`LossScaler.pending_exit`: the optimizers of the call) and *resolved* before anything can tell
-the difference: before the scaler scales another loss (the scale must be the one the exit left),
-before another backward reaches the optimizers' gradients (the next `scale_loss` entry), and at
-their `step`, `zero_grad`, `unscale_` or `master_params`. Resolving folds each optimizer's raw
-gradients, divided by the scale they carry, into its fp32 buffer (`fused_step.fold_grads`, one
-pass, no host read) and ORs their overflow into one device flag per exit; the scaler moves by
-that flag (`LossScaler.update`, on the device) and every optimizer of the call keeps the flag:
-its step ORs all its exits' flags into the skip (a select inside the compiled step). When the
-only thing left is one optimizer stepping the one exit it alone was in, with nothing folded (one
-loss, one optimizer: the usual loop), its fused step *is* the resolution: the prologue checks,
-unscales by the live scale (unchanged since the exit) and moves the scale, in one graph.
-`delay_unscale=True` records no exit: the gradients keep their scale, as in Apex, for the next
-exit (or step) to take.
+(`record_exit`: its ScaleRound keeps the optimizers of the call, ExitState PENDING) and
+*resolved* before anything can tell the difference: before the scaler scales another loss (the
+scale must be the one the exit left), before another backward reaches the optimizers' gradients
+(the next `scale_loss` entry), and at their `step`, `zero_grad`, `unscale_` or `master_params`.
+Resolving folds each optimizer's raw gradients, divided by the scale they carry, into its fp32
+buffer (`fused_step.fold_grads`, one pass, no host read) and ORs their overflow into one device
+flag per exit; the scaler moves by that flag (`LossScaler.update`, on the device) and every
+optimizer of the call keeps the flag: its step ORs all its exits' flags into the skip (a select
+inside the compiled step). When the only thing left is one optimizer stepping the one exit it
+alone was in, with nothing folded (one loss, one optimizer: the usual loop), its fused step *is*
+the resolution: the prologue checks, unscales by the live scale (unchanged since the exit) and
+moves the scale, in one graph. `delay_unscale=True` records no exit: the gradients keep their
+scale, as in Apex, for the next exit (or step) to take.
 
 That deferred resolution is what `scale_loss(..., unscale_on_exit=False)` does. By default an
-exit is resolved at once and leaves `.grad` unscaled (`unscale`, Note [.grad after a scale_loss
-exit] in folding.py): the same fold and flag, in place, in one pass.
+exit is resolved at once and leaves `.grad` unscaled (`unscale_at_exit`, Note [.grad after a
+scale_loss exit] in folding.py): the same fold and flag, in place, in one pass.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["close", "unscale", "resolve", "resolve_for", "settle", "take"]
+from fxamp.optim.scaling.loss_scaler import LossScaler
+
+__all__ = ["record_exit", "unscale_at_exit", "resolve_pending_exit", "resolve_exit_of",
+           "resolve_unless_step_takes_exit", "hand_exit_to_step"]
 
 
-def close(scaler: Any, optimizers: tuple) -> None:
-    """A scale_loss exit: the optimizers' raw gradients now carry `scaler`'s scale."""
+def record_exit(scaler: LossScaler, optimizers: tuple) -> None:
+    """A scale_loss exit: the optimizers' raw gradients now carry `scaler`'s scale, and the
+    exit awaits resolution (ExitState NONE -> PENDING)."""
     for opt in optimizers:
         opt.after_backward(scaler)
-    scaler.pending_exit = optimizers
+    scaler.scale_round.record_exit(optimizers)
 
 
-def unscale(scaler: Any, optimizers: tuple) -> torch.Tensor:
+def unscale_at_exit(scaler: LossScaler, optimizers: tuple) -> torch.Tensor:
     """A scale_loss exit resolved at once: `.grad` of the optimizers unscaled in place, their
     overflow flagged for their steps, the scale moved by it."""
     return _resolve(scaler, optimizers, lambda opt, flag: opt.unscale_exit(scaler, flag))
 
 
-def resolve(scaler: Any) -> Optional[torch.Tensor]:
-    """Fold the pending exit's gradients, flag their overflow and move the scale by it."""
-    optimizers = scaler.pending_exit
+def resolve_pending_exit(scaler: LossScaler) -> Optional[torch.Tensor]:
+    """Fold the pending exit's gradients, flag their overflow and move the scale by it
+    (ExitState PENDING -> NONE); None if no exit was pending."""
+    optimizers = scaler.scale_round.end_exit()
     if not optimizers:
         return None
-    scaler.pending_exit = None
     return _resolve(scaler, optimizers, lambda opt, flag: opt.fold_exit(scaler, flag))
 
 
-def _resolve(scaler: Any, optimizers: tuple, take_grads: Any) -> torch.Tensor:
+def _resolve(scaler: LossScaler, optimizers: tuple,
+             take_grads: Callable[[Any, torch.Tensor], None]) -> torch.Tensor:
     flag = torch.zeros((), dtype=torch.bool, device=optimizers[0].folding.device)
     for opt in optimizers:
         take_grads(opt, flag)
@@ -71,26 +76,34 @@ def _resolve(scaler: Any, optimizers: tuple, take_grads: Any) -> torch.Tensor:
     return flag
 
 
-def _exit_of(opt: Any) -> Optional[tuple]:
+def _pending_exit_of(opt: Any) -> Optional[LossScaler]:
+    """The scaler whose pending exit `opt`'s raw gradients wait in, if any."""
     scaler = opt.folding.raw_scaler
-    exit_ = None if scaler is None else getattr(scaler, "pending_exit", None)
-    return exit_ if exit_ and any(o is opt for o in exit_) else None
+    pending = scaler is not None and scaler.scale_round.exit_includes(opt)
+    return scaler if pending else None
 
 
-def resolve_for(opt: Any) -> None:
+def resolve_exit_of(opt: Any) -> None:
     """Resolve the exit `opt`'s raw gradients wait in, if any."""
-    if _exit_of(opt) is not None:
-        resolve(opt.folding.raw_scaler)
+    scaler = _pending_exit_of(opt)
+    if scaler is not None:
+        resolve_pending_exit(scaler)
 
 
-def settle(opt: Any) -> None:
-    """Before `opt` steps: resolve its exit unless its fused step can take it whole."""
-    exit_ = _exit_of(opt)
-    if exit_ is not None and not (len(exit_) == 1 and opt.folding.folds_nothing()):
-        resolve(opt.folding.raw_scaler)
+def resolve_unless_step_takes_exit(opt: Any) -> None:
+    """Before `opt` steps: resolve its pending exit, unless its fused step can take the exit
+    whole (`opt` alone in it, nothing folded)."""
+    scaler = _pending_exit_of(opt)
+    if scaler is None:
+        return
+    alone = len(scaler.scale_round.exit_optimizers) == 1 and opt.folding.folds_nothing()
+    if not alone:
+        resolve_pending_exit(scaler)
 
 
-def take(opt: Any) -> None:
-    """`opt`'s step checks, unscales and moves the scale of the exit it alone was in."""
-    if _exit_of(opt) is not None:
-        opt.folding.raw_scaler.pending_exit = None
+def hand_exit_to_step(opt: Any) -> None:
+    """`opt`'s fused step checks, unscales and moves the scale of the exit it alone was in:
+    the exit is no longer pending (ExitState PENDING -> NONE)."""
+    scaler = _pending_exit_of(opt)
+    if scaler is not None:
+        scaler.scale_round.end_exit()

@@ -4,14 +4,15 @@ FP16_Optimizer each compose (`opt.folding`), and the rule for which scaler a ste
 Raw gradients carry the scale of the loss whose backward produced them. When a backward with
 another scaler is about to add to them (several losses), or when several optimizers must skip
 together (one loss over several optimizers), they are folded: added, unscaled, to fp32 buffers
-by `fused_step.fold_grads`, which ORs their overflow into the flag of the scaler's `FoldRound`.
-The optimizer remembers the scalers it folded; at its step it skips if any of them saw an
-overflow, then leaves their rounds, and each scaler moves by its own flag once the last
-optimizer of its round has left. `scale_loss` exits fold with a flag of their own instead, and
-move the scaler when they are resolved (Note [Apex's scale_loss exits] in exits.py).
+by `fused_step.fold_grads`, which ORs their overflow into the flag of the scaler's `ScaleRound`
+(scale_round.py). The optimizer remembers the scalers it folded; at its step it skips if any of
+them saw an overflow, then leaves their rounds (`finish_step`), and each scaler moves by its own
+flag once the last optimizer of its round has left (FoldState AWAITING_STEPS -> IDLE).
+`scale_loss` exits fold with a flag of their own instead, and move the scaler when they are
+resolved (Note [Apex's scale_loss exits] in exits.py).
 
 # Note [Which scaler a step divides by]
-One rule, `GradientFolding.scaler_for`, for `step`, `unscale_`, `fxamp.optim.unscale_` and
+One rule, `GradientFolding.scaler_to_divide_by`, for `step`, `unscale_`, `fxamp.optim.unscale_` and
 `master_params`: the scaler whose scale the raw gradients carry, which is (1) the one the last
 backward through `scale_loss` (or FP16_Optimizer.backward) used; else (2) the scaler passed to
 the call; else (3) the first of the optimizer's `loss_scalers` (initialize's, see
@@ -32,8 +33,9 @@ parameters with fp32 masters (O2), `.grad` holds them rounded to the model's dty
 lose the small ones that loss scaling exists to keep), and the exact fp32 sum stays in the
 bucket's `acc`, which the step takes unless `.grad` was written since the exit (a clip, a
 `model.zero_grad()`: the version of the flat gradient moved); then the step takes `.grad` as
-written. Another backward into unscaled gradients first settles them into `acc` (Apex's
-stashed gradients); `opt.step(scaler)` without `scale_loss` keeps the deferred unscale.
+written. Another backward into unscaled gradients first folds them into `acc` (Apex's
+stashed gradients, `fold_unscaled`); `opt.step(scaler)` without `scale_loss` keeps the
+deferred unscale.
 """
 
 from __future__ import annotations
@@ -46,40 +48,16 @@ import torch
 from fxamp.errors import ConfigError
 from fxamp.optim.functional import fused_step
 from fxamp.optim.scaling.loss_scaler import LossScaler
+from fxamp.optim.scaling.scale_round import ScaleRound
 
-__all__ = ["GradientFolding", "FoldRound", "UnscaledGrads"]
-
-
-class FoldRound:
-    """One scaler's folds between two moves of its scale: the overflow flag every fold ORs
-    into, and the optimizers' foldings that took part and have not stepped yet."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.found = torch.zeros((), dtype=torch.bool, device=device)
-        self.members: list[GradientFolding] = []
-
-    def join(self, folding: "GradientFolding") -> None:
-        if not any(m is folding for m in self.members):
-            self.members.append(folding)
-
-    def leave(self, folding: "GradientFolding", scaler: LossScaler) -> None:
-        """`folding` stepped (or dropped its gradients); the last one to leave moves the scale
-        by the round's flag and starts the next round."""
-        self.members = [m for m in self.members if m is not folding]
-        if not self.members:
-            scaler.update(self.found)
-            self.found.zero_()
+__all__ = ["GradientFolding", "UnscaledGrads"]
 
 
-def round_of(scaler: LossScaler, device: torch.device) -> FoldRound:
-    """`scaler`'s current FoldRound, on `device`."""
+def _round_on(scaler: LossScaler, device: torch.device) -> ScaleRound:
+    """`scaler`'s ScaleRound, its state and fold flag on `device`."""
     scaler.state_tensors(device)
-    current = scaler.fold_round
-    if current is None:
-        current = scaler.fold_round = FoldRound(device)
-    elif current.found.device != torch.device(device):
-        current.found = current.found.to(device)
-    return current
+    scaler.scale_round.found_on(device)
+    return scaler.scale_round
 
 
 @dataclasses.dataclass
@@ -122,7 +100,7 @@ class GradientFolding:
         self.loss_scalers: tuple[LossScaler, ...] = ()  # initialize's, one per loss_id
         self.raw_scaler: Optional[LossScaler] = None  # the scale the raw gradients carry
         self._fold_fn = fold_fn
-        self._involved: list[LossScaler] = []  # scalers folded into the fp32 grads this step
+        self._folded: list[LossScaler] = []  # scalers folded into the fp32 grads this step
         self._exit_flags: list[torch.Tensor] = []  # overflow flags of this step's resolved exits
 
     def set_loss_scalers(self, scalers: Sequence[LossScaler], owner: str) -> None:
@@ -132,17 +110,19 @@ class GradientFolding:
                               f"fxamp.optim.LossScaler, not {scalers!r}")
         self.loss_scalers = scalers
 
-    def scaler_for(self, given: Optional[LossScaler] = None, *,
-                   default: bool = True) -> Optional[LossScaler]:
-        """The scaler the raw gradients carry (Note [Which scaler a step divides by]);
-        `default=False` leaves out initialize's first scaler (rule 3)."""
+    def scaler_to_divide_by(self, given: Optional[LossScaler] = None) -> Optional[LossScaler]:
+        """The scaler the raw gradients carry: rules 1 to 3 of Note [Which scaler a step
+        divides by]."""
+        if self.raw_scaler is None and not self._exit_flags and given is None:
+            return self.loss_scalers[0] if self.loss_scalers else None
+        return self.scaler_carried(given)
+
+    def scaler_carried(self, given: Optional[LossScaler] = None) -> Optional[LossScaler]:
+        """Rules 1 and 2 of Note [Which scaler a step divides by] (initialize's first scaler
+        left out): what a step must fold before it takes folded gradients."""
         if self.raw_scaler is not None:
             return self.raw_scaler
-        if self._exit_flags:
-            return None
-        if given is not None or not default:
-            return given
-        return self.loss_scalers[0] if self.loss_scalers else None
+        return None if self._exit_flags else given
 
     def carries_other(self, scaler: LossScaler) -> bool:
         """The raw gradients carry a scale other than `scaler`'s: fold them before a backward
@@ -151,15 +131,15 @@ class GradientFolding:
 
     def folds_nothing(self) -> bool:
         """No gradients were folded into fp32 this step."""
-        return not self._involved and not self._exit_flags
+        return not self._folded and not self._exit_flags
 
     def fold(self, scaler: LossScaler, raws: Sequence[torch.Tensor],
              accs: Sequence[torch.Tensor], owner: object) -> None:
         """Add `raws`, divided by `scaler`'s scale, to `accs`; OR their overflow into the
         scaler's round, which this optimizer joins."""
         inv_scale = fused_step.inverse(scaler.state_tensors(self.device)[0])
-        self._fold_fn(raws, accs, inv_scale, round_of(scaler, self.device).found)
-        self.involve(scaler, owner)
+        self._fold_fn(raws, accs, inv_scale, _round_on(scaler, self.device).found)
+        self.record_fold(scaler, owner)
 
     def fold_exit(self, scaler: LossScaler, flag: torch.Tensor, raws: Sequence[torch.Tensor],
                   accs: Sequence[torch.Tensor], owner: object) -> None:
@@ -184,7 +164,7 @@ class GradientFolding:
         self.unscaled = UnscaledGrads(keep, [raw._version for raw in raws])
 
     @torch.no_grad()
-    def settle_unscaled(self, raws: Sequence[torch.Tensor],
+    def fold_unscaled(self, raws: Sequence[torch.Tensor],
                         accs: Sequence[torch.Tensor]) -> None:
         """Unscaled gradients become folded ones (all in `acc`, `.grad` zero) before another
         backward adds to them or a fold takes them."""
@@ -198,37 +178,41 @@ class GradientFolding:
             raw.zero_()
         self.raw_scaler = None
 
-    def involve(self, scaler: LossScaler, owner: object,
-                found: Optional[torch.Tensor] = None) -> None:
+    def record_fold(self, scaler: LossScaler, owner: object,
+                    found: Optional[torch.Tensor] = None) -> None:
         """The raw gradients, which carried `scaler`'s scale, were taken into fp32 (`found`:
         their overflow flag, when they were not folded by `fold`)."""
         scaler.scaled_graphs.mark_done(owner)
-        fold_round = round_of(scaler, self.device)
+        scale_round = _round_on(scaler, self.device)
         if found is not None:
-            fold_round.found.logical_or_(found)
-        if scaler not in self._involved:
-            self._involved.append(scaler)
-            fold_round.join(self)
+            scale_round.found.logical_or_(found)
+        if scaler not in self._folded:
+            self._folded.append(scaler)
+            scale_round.join(self)
         self.raw_scaler = None
 
     @property
-    def involved(self) -> tuple[LossScaler, ...]:
+    def folded_scalers(self) -> tuple[LossScaler, ...]:
         """The scalers folded this step, in the order they were first folded."""
-        return tuple(self._involved)
+        return tuple(self._folded)
 
-    def involved_flags(self) -> list[torch.Tensor]:
+    def folded_flags(self) -> list[torch.Tensor]:
         """The overflow flags of the scalers folded this step (to agree on over ranks)."""
-        return [round_of(s, self.device).found for s in self._involved]
+        return [_round_on(s, self.device).found for s in self._folded]
 
     def found(self) -> torch.Tensor:
         """Whether any scaler folded this step, or any resolved exit, saw an overflow (a 0-dim
         device flag)."""
-        return torch.stack(self.involved_flags() + self._exit_flags).any()
+        return torch.stack(self.folded_flags() + self._exit_flags).any()
 
-    def end_round(self) -> None:
-        """The step took the folded gradients (or they were dropped): leave every round."""
-        for scaler in self._involved:
-            round_of(scaler, self.device).leave(self, scaler)
-        self._involved = []
+    def finish_step(self) -> None:
+        """The step took the folded gradients (or they were dropped): leave the round of every
+        scaler folded, moving each whose last member this was by its folds' flag."""
+        for scaler in self._folded:
+            scale_round = _round_on(scaler, self.device)
+            if scale_round.leave(self):
+                scaler.update(scale_round.found)
+                scale_round.clear_found()
+        self._folded = []
         self._exit_flags = []
         self.unscaled = None
