@@ -50,7 +50,7 @@ from fxamp.optim.functional import fused_step
 from fxamp.optim.scaling.loss_scaler import LossScaler
 from fxamp.optim.scaling.scale_round import ScaleRound
 
-__all__ = ["GradientFolding", "UnscaledGrads"]
+__all__ = ["GradientFolding", "UnscaledBucket", "UnscaledGrads"]
 
 
 def _round_on(scaler: LossScaler, device: torch.device) -> ScaleRound:
@@ -61,26 +61,38 @@ def _round_on(scaler: LossScaler, device: torch.device) -> ScaleRound:
 
 
 @dataclasses.dataclass
+class UnscaledBucket:
+    """One bucket's gradients after a scale_loss exit unscaled them."""
+
+    keep: bool  # `acc` holds the fp32 sum the step takes
+    version: int  # the raw gradient buffer's version just after the unscale
+
+
+@dataclasses.dataclass
 class UnscaledGrads:
-    """An optimizer's gradients after a scale_loss exit unscaled them (Note [.grad after a
-    scale_loss exit])."""
+    """An optimizer's gradients after a scale_loss exit unscaled them, one record per bucket
+    (Note [.grad after a scale_loss exit])."""
 
-    keep: tuple[bool, ...]  # per bucket: `acc` holds the fp32 sum the step takes
-    versions: list[int]  # each raw gradient buffer's version just after the unscale
+    buckets: list[UnscaledBucket]
 
-    def edited(self, raws: Sequence[torch.Tensor]) -> list[bool]:
-        """Per bucket: `.grad` was written since the unscale (then it, not `acc`, is taken)."""
-        return [raw._version != v for raw, v in zip(raws, self.versions)]
+    @property
+    def keep(self) -> tuple[bool, ...]:
+        """Per bucket: `acc` holds the fp32 sum the step takes."""
+        return tuple(b.keep for b in self.buckets)
 
     def absorb_edits(self, raws: Sequence[torch.Tensor],
                      accs: Sequence[Optional[torch.Tensor]]) -> bool:
-        """Copy edited `.grad` into the kept `acc`; whether any bucket was edited."""
-        edited = self.edited(raws)
-        for i, (raw, acc, keep) in enumerate(zip(raws, accs, self.keep)):
-            if keep and edited[i]:
+        """Copy `.grad` written since the unscale into the kept `acc` (then it, not the
+        unscaled sum, is taken); whether any bucket was written."""
+        edited = False
+        for bucket, raw, acc in zip(self.buckets, raws, accs):
+            if raw._version == bucket.version:
+                continue
+            edited = True
+            if bucket.keep:
                 acc.copy_(raw)
-                self.versions[i] = raw._version
-        return any(edited)
+                bucket.version = raw._version
+        return edited
 
 
 class GradientFolding:
@@ -161,19 +173,20 @@ class GradientFolding:
         scaler.scaled_graphs.mark_done(owner)
         self.raw_scaler = None
         self._exit_flags.append(flag)
-        self.unscaled = UnscaledGrads(keep, [raw._version for raw in raws])
+        self.unscaled = UnscaledGrads([UnscaledBucket(k, raw._version)
+                                       for k, raw in zip(keep, raws)])
 
     @torch.no_grad()
     def fold_unscaled(self, raws: Sequence[torch.Tensor],
-                        accs: Sequence[torch.Tensor]) -> None:
+                      accs: Sequence[torch.Tensor]) -> None:
         """Unscaled gradients become folded ones (all in `acc`, `.grad` zero) before another
         backward adds to them or a fold takes them."""
         unscaled, self.unscaled = self.unscaled, None
         if unscaled is None:
             return
         unscaled.absorb_edits(raws, accs)
-        for raw, acc, keep in zip(raws, accs, unscaled.keep):
-            if not keep:
+        for bucket, raw, acc in zip(unscaled.buckets, raws, accs):
+            if not bucket.keep:
                 acc.add_(raw)
             raw.zero_()
         self.raw_scaler = None
