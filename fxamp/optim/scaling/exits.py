@@ -32,17 +32,32 @@ scale_loss exit] in folding.py): the same fold and flag, in place, in one pass.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
+from fxamp.optim.scaling.folding import GradientFolding
 from fxamp.optim.scaling.loss_scaler import LossScaler
 
-__all__ = ["record_exit", "unscale_at_exit", "resolve_pending_exit", "resolve_exit_of",
-           "resolve_unless_step_takes_exit", "hand_exit_to_step"]
+__all__ = ["ExitOptimizer", "record_exit", "unscale_at_exit", "resolve_pending_exit",
+           "resolve_exit_of", "resolve_unless_step_takes_exit", "hand_exit_to_step"]
 
 
-def record_exit(scaler: LossScaler, optimizers: tuple) -> None:
+class ExitOptimizer(Protocol):
+    """What the exits call on an optimizer (FusedOptimizer, FP16_Optimizer)."""
+
+    folding: GradientFolding
+
+    def after_backward(self, scaler: LossScaler) -> None: ...
+
+    def fold_exit(self, scaler: LossScaler, flag: torch.Tensor) -> None: ...
+
+    def unscale_exit(self, scaler: LossScaler, flag: torch.Tensor) -> None: ...
+
+    def agree_exit_flag_(self, flag: torch.Tensor) -> None: ...
+
+
+def record_exit(scaler: LossScaler, optimizers: Sequence[ExitOptimizer]) -> None:
     """A scale_loss exit: the optimizers' raw gradients now carry `scaler`'s scale, and the
     exit awaits resolution (ExitState NONE -> PENDING)."""
     for opt in optimizers:
@@ -50,7 +65,7 @@ def record_exit(scaler: LossScaler, optimizers: tuple) -> None:
     scaler.scale_round.record_exit(optimizers)
 
 
-def unscale_at_exit(scaler: LossScaler, optimizers: tuple) -> torch.Tensor:
+def unscale_at_exit(scaler: LossScaler, optimizers: Sequence[ExitOptimizer]) -> torch.Tensor:
     """A scale_loss exit resolved at once: `.grad` of the optimizers unscaled in place, their
     overflow flagged for their steps, the scale moved by it."""
     return _resolve(scaler, optimizers, lambda opt, flag: opt.unscale_exit(scaler, flag))
@@ -65,8 +80,8 @@ def resolve_pending_exit(scaler: LossScaler) -> Optional[torch.Tensor]:
     return _resolve(scaler, optimizers, lambda opt, flag: opt.fold_exit(scaler, flag))
 
 
-def _resolve(scaler: LossScaler, optimizers: tuple,
-             take_grads: Callable[[Any, torch.Tensor], None]) -> torch.Tensor:
+def _resolve(scaler: LossScaler, optimizers: Sequence[ExitOptimizer],
+             take_grads: Callable[[ExitOptimizer, torch.Tensor], None]) -> torch.Tensor:
     flag = torch.zeros((), dtype=torch.bool, device=optimizers[0].folding.device)
     for opt in optimizers:
         take_grads(opt, flag)
@@ -76,21 +91,21 @@ def _resolve(scaler: LossScaler, optimizers: tuple,
     return flag
 
 
-def _pending_exit_of(opt: Any) -> Optional[LossScaler]:
+def _pending_exit_of(opt: ExitOptimizer) -> Optional[LossScaler]:
     """The scaler whose pending exit `opt`'s raw gradients wait in, if any."""
     scaler = opt.folding.raw_scaler
     pending = scaler is not None and scaler.scale_round.exit_includes(opt)
     return scaler if pending else None
 
 
-def resolve_exit_of(opt: Any) -> None:
+def resolve_exit_of(opt: ExitOptimizer) -> None:
     """Resolve the exit `opt`'s raw gradients wait in, if any."""
     scaler = _pending_exit_of(opt)
     if scaler is not None:
         resolve_pending_exit(scaler)
 
 
-def resolve_unless_step_takes_exit(opt: Any) -> None:
+def resolve_unless_step_takes_exit(opt: ExitOptimizer) -> None:
     """Before `opt` steps: resolve its pending exit, unless its fused step can take the exit
     whole (`opt` alone in it, nothing folded)."""
     scaler = _pending_exit_of(opt)
@@ -101,7 +116,7 @@ def resolve_unless_step_takes_exit(opt: Any) -> None:
         resolve_pending_exit(scaler)
 
 
-def hand_exit_to_step(opt: Any) -> None:
+def hand_exit_to_step(opt: ExitOptimizer) -> None:
     """`opt`'s fused step checks, unscales and moves the scale of the exit it alone was in:
     the exit is no longer pending (ExitState PENDING -> NONE)."""
     scaler = _pending_exit_of(opt)

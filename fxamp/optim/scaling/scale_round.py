@@ -8,7 +8,7 @@ module imports neither of them nor loss_scaler.py, so the three import it one wa
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -40,25 +40,25 @@ class ScaleRound:
 
     def __init__(self) -> None:
         self.exit_state = ExitState.NONE
-        self.exit_optimizers: tuple = ()  # the optimizers of the pending exit
+        self.exit_optimizers: Sequence[object] = ()  # the optimizers of the pending exit
         self.fold_state = FoldState.IDLE
-        self.members: list[Any] = []  # the foldings that folded and have not stepped
+        self.members: list[object] = []  # the foldings that folded and have not stepped
         self.found: Optional[torch.Tensor] = None  # OR of the folds' overflow (0-dim bool)
 
     # ------------------------------------------------------------------ scale_loss exits
-    def record_exit(self, optimizers: tuple) -> None:
+    def record_exit(self, optimizers: Sequence[object]) -> None:
         """A scale_loss exit left `optimizers`' raw gradients carrying the scale."""
         self.exit_optimizers = optimizers
         self.exit_state = ExitState.PENDING if optimizers else ExitState.NONE
 
-    def end_exit(self) -> tuple:
+    def end_exit(self) -> Sequence[object]:
         """The pending exit is resolved (or a fused step takes it): its optimizers, () if none
         was pending."""
         optimizers, self.exit_optimizers = self.exit_optimizers, ()
         self.exit_state = ExitState.NONE
         return optimizers
 
-    def exit_includes(self, optimizer: Any) -> bool:
+    def exit_includes(self, optimizer: object) -> bool:
         """A pending exit's gradients include `optimizer`'s."""
         return self.exit_state is ExitState.PENDING and any(
             o is optimizer for o in self.exit_optimizers)
@@ -72,13 +72,13 @@ class ScaleRound:
             self.found = self.found.to(device)
         return self.found
 
-    def join(self, member: Any) -> None:
+    def join(self, member: object) -> None:
         """`member` (a GradientFolding) folded gradients with this scale."""
         if not any(m is member for m in self.members):
             self.members.append(member)
         self.fold_state = FoldState.AWAITING_STEPS
 
-    def leave(self, member: Any) -> bool:
+    def leave(self, member: object) -> bool:
         """`member` stepped (or dropped its gradients); whether it was the last to leave, so
         that the scale moves by `found` now."""
         self.members = [m for m in self.members if m is not member]
