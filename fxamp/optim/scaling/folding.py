@@ -12,14 +12,14 @@ flag once the last optimizer of its round has left (FoldState AWAITING_STEPS -> 
 resolved (Note [Apex's scale_loss exits] in exits.py).
 
 # Note [Which scaler a step divides by]
-One rule, `GradientFolding.scaler_to_divide_by`, for `step`, `unscale_`, `fxamp.optim.unscale_` and
-`master_params`: the scaler whose scale the raw gradients carry, which is (1) the one the last
-backward through `scale_loss` (or FP16_Optimizer.backward) used; else (2) the scaler passed to
-the call; else (3) the first of the optimizer's `loss_scalers` (initialize's, see
-`set_loss_scalers`); none of (2) and (3) once `scale_loss` exits have folded the gradients
-(they carry no scale any more, and their scaler moved already). No scaler at all: the gradients
-are taken as unscaled, after `scaled_graphs.check_no_pending_scale` has made sure that no
-scaled backward reached them. `unscale_(scaler)` given a scaler divides by that one.
+One rule, `GradientFolding.scaler_to_divide_by`, for `step`, `unscale_`, `fxamp.optim.unscale_`
+and `master_params`: the scaler whose scale the raw gradients carry, which is (1) the one the
+last backward through `scale_loss` (or FP16_Optimizer.backward) used; else (2) the scaler passed
+to the call; else (3) the first of the optimizer's `loss_scalers` (initialize's, see
+`set_loss_scalers`); none of (2) and (3) once `scale_loss` exits have folded the gradients (they
+carry no scale any more, and their scaler moved already). No scaler at all: the gradients are
+taken as unscaled, after `scaled_graphs.check_no_pending_scale` has made sure that no scaled
+backward reached them. `unscale_(scaler)` given a scaler divides by that one.
 
 # Note [.grad after a scale_loss exit]
 Apex unscaled at every `scale_loss` exit, so Apex scripts read `.grad` right after the block:
