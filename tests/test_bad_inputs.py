@@ -69,7 +69,7 @@ def _opt_state(opt):
     for b in opt.buckets:
         flat += [b.param, b.grad] + ([] if b.master is None else [b.master])
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-    return [_bytes(t) for t in flat], repr(groups), opt.folding.raw_scaler, opt.folding.involved
+    return [_bytes(t) for t in flat], repr(groups), opt.folding.raw_scaler, opt.folding.folded_scalers
 
 
 def _scaler_state(scaler):

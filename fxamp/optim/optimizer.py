@@ -176,11 +176,11 @@ class FusedOptimizer(torch.optim.Optimizer):
             scaler, closure = None, scaler  # torch.optim's positional closure
         _check_scaler_arg(scaler, "step")
         param_groups.check_left_out(self)
-        exits.settle(self)  # Note [Apex's scale_loss exits]
-        exits.take(self)
+        exits.resolve_unless_step_takes_exit(self)  # Note [Apex's scale_loss exits]
+        exits.hand_exit_to_step(self)
         # Note [Which scaler a step divides by]; `pending` folds what came since a fold.
-        pending = self.folding.scaler_for(scaler, default=False)
-        scaler = self.folding.scaler_for(scaler)
+        pending = self.folding.scaler_carried(scaler)
+        scaler = self.folding.scaler_to_divide_by(scaler)
         if scaler is None:
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "step")
         loss = self._call_closure(closure, scaler)
@@ -283,12 +283,12 @@ class FusedOptimizer(torch.optim.Optimizer):
         if any folded scaler saw an overflow. Each scaler then moves by its own overflow.
         """
         _check_scaler_arg(scaler, "unscale_")
-        exits.resolve_for(self)
+        exits.resolve_exit_of(self)
         self._settle_unscaled()
         folding = self.folding
         if scaler is None and folding.raw_scaler is None and not folding.folds_nothing():
             return  # everything since the last backward is folded already
-        scaler = scaler or folding.scaler_for()  # Note [Which scaler a step divides by]
+        scaler = scaler or folding.scaler_to_divide_by()  # Note [Which scaler a step divides by]
         if scaler is None:
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "unscale_")
             scaler = self._unit
@@ -305,7 +305,7 @@ class FusedOptimizer(torch.optim.Optimizer):
     def before_backward(self, scaler: LossScaler) -> None:
         """A backward with `scaler` is about to add to the gradients: resolve the exit they
         wait in, and fold them if they carry another scaler's scale."""
-        exits.resolve_for(self)
+        exits.resolve_exit_of(self)
         scaled_graphs.release_dropped(self, self._flat_params)
         self._settle_unscaled()
         if self.folding.raw_scaler is self._unit and self._all_grads_dropped():
@@ -337,7 +337,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _settle_unscaled(self) -> None:
         if self.folding.unscaled is not None:
-            self.folding.settle_unscaled(*self._fold_buffers())
+            self.folding.fold_unscaled(*self._fold_buffers())
 
     def _all_grads_dropped(self) -> bool:
         return all(p.grad is None for p in self._flat_params())
@@ -353,7 +353,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         for b, keep in zip(buckets, unscaled.keep):
             if keep:
                 b.acc.zero_()
-        self.folding.end_round()
+        self.folding.finish_step()
 
     def agree_exit_flag_(self, flag: torch.Tensor) -> None:
         """OR an exit's flag over this optimizer's process group, if it has one."""
@@ -361,13 +361,13 @@ class FusedOptimizer(torch.optim.Optimizer):
             distributed.agree_flags_([flag], self._group)
 
     def unscale_in_place_(self, scaler: Optional[LossScaler] = None) -> None:
-        """`fxamp.optim.unscale_`: settle a pending scale_loss exit, fold what still carries a
+        """`fxamp.optim.unscale_`: resolve a pending scale_loss exit, fold what still carries a
         scale, and move the unscaled sum back into `.grad`; a no-op once done."""
         _check_scaler_arg(scaler, "unscale_")
-        exits.resolve_for(self)
+        exits.resolve_exit_of(self)
         if self.folding.raw_scaler is self._unit:
             return  # done already, and no backward through scale_loss since
-        carried = self.folding.scaler_for(scaler)
+        carried = self.folding.scaler_to_divide_by(scaler)
         if carried is not None or self.folding.folds_nothing():
             self.unscale_(carried)
         self._unfold()
@@ -383,8 +383,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         """Compute the unscaled master gradients that `fxamp.optim.master_params` yields, from
         the raw ones and the scale they carry (Note [Gathered master gradients])."""
         param_groups.check_left_out(self)
-        exits.settle(self)
-        scaler = self.folding.scaler_for()
+        exits.resolve_unless_step_takes_exit(self)
+        scaler = self.folding.scaler_to_divide_by()
         if scaler is None:
             scaled_graphs.check_no_pending_scale(self, self._flat_params(), "master_params")
         for bucket in self._buckets:
@@ -399,7 +399,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _step_from_gathered(self, scaler: LossScaler, found: torch.Tensor) -> None:
         # The gathered gradients hold the folded ones and the raw ones, unscaled.
-        self.folding.involve(scaler, self, found=found)
+        self.folding.record_fold(scaler, self, found=found)
         self._fused_step(self.master_grads.buffers, None, check=True,
                          found_in=self.folding.found())
         for b in self._buckets:
@@ -407,31 +407,31 @@ class FusedOptimizer(torch.optim.Optimizer):
             if b.acc is not None:
                 b.acc.zero_()
         self.master_grads.drop()
-        self.folding.end_round()
+        self.folding.finish_step()
 
     def _step_from_folded(self, pending: Optional[LossScaler]) -> None:
         if pending is not None:
             self.unscale_(pending)
         if self._group is not None:  # each scaler then moves by the flag all ranks agree on
-            distributed.agree_flags_(self.folding.involved_flags(), self._group)
+            distributed.agree_flags_(self.folding.folded_flags(), self._group)
         self._fused_step([b.acc for b in self._buckets], None, check=True,
                          found_in=self.folding.found())
         for b in self._buckets:
             b.acc.zero_()
-        self.folding.end_round()
+        self.folding.finish_step()
 
     # ------------------------------------------------------------------------------ plumbing
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat gradients in place; `set_to_none` is accepted and ignored, because the
         `.grad` views must stay in the flat buffer. A scale_loss exit whose gradients no step
         took still moves the scale, as in Apex (Note [Apex's scale_loss exits])."""
-        exits.resolve_for(self)
+        exits.resolve_exit_of(self)
         for bucket in self._buckets:
             bucket.zero_grad()
         self.master_grads.drop()
         scaled_graphs.release_pending(self)
         self.folding.raw_scaler = None
-        self.folding.end_round()
+        self.folding.finish_step()
 
     def _flat_params(self) -> list[torch.Tensor]:
         return [p for b in self._buckets for p in b.params]

@@ -200,7 +200,7 @@ def test_an_apex_script_runs_with_import_fxamp_as_amp():
 
 
 def test_a_scaler_folded_by_two_optimizers_moves_once_after_the_last_step():
-    # Note [Which scaler a step divides by] and FoldRound (folding.py): both skip, and the
+    # Note [Which scaler a step divides by] and ScaleRound (scale_round.py): both skip, and the
     # scale halves once, when the second optimizer has stepped.
     m1, m2 = make_mlp(), make_mlp(seed=1)
     o1, o2 = (fo.AdamW(m.parameters(), lr=1e-2, compile=False) for m in (m1, m2))

@@ -14,6 +14,7 @@ from optim_helpers import bit_identical, loss_of, make_mlp, snapshot
 
 import fxamp.optim as fo
 from fxamp import ConfigError
+from fxamp.optim.scaling.scale_round import ExitState
 
 pytest.importorskip("fxamp.backend")
 
@@ -271,7 +272,7 @@ def test_scale_loss_refusals_change_nothing():
     with pytest.raises(ConfigError, match="unscale_ takes an fxamp optimizer"):
         fo.unscale_(torch.optim.SGD(make_mlp().parameters(), lr=0.1))
     assert bit_identical(snapshot(opt), before) and opt.folding.folds_nothing()
-    assert opt.loss_scalers[0].pending_exit is None
+    assert opt.loss_scalers[0].scale_round.exit_state is ExitState.NONE
 
 
 def test_a_loss_scaler_passed_as_loss_id_is_refused_not_ignored():

@@ -92,9 +92,9 @@ class FP16_Optimizer:
     def update_master_grads(self) -> None:
         """Add the model's gradients, unscaled, to the masters' `.grad` and zero them; record
         overflow. Runs at most once per backward."""
-        exits.resolve_for(self)
+        exits.resolve_exit_of(self)
         if self.folding.unscaled is not None:  # the masters' .grad hold them already
-            self.folding.settle_unscaled(*self._fold_buffers())
+            self.folding.fold_unscaled(*self._fold_buffers())
         if self.folding.raw_scaler is None:
             return
         self.folding.fold(self.folding.raw_scaler, *self._fold_buffers(), owner=self)
@@ -103,7 +103,7 @@ class FP16_Optimizer:
     def before_backward(self, scaler: LossScaler) -> None:
         """A backward with `scaler` is about to add to the gradients: resolve the exit they
         wait in, and fold them if they carry another scaler's scale."""
-        exits.resolve_for(self)
+        exits.resolve_exit_of(self)
         scaled_graphs.release_dropped(
             self, lambda: [p for b in self._buckets for p in b.params])
         if self.folding.unscaled is not None or self.folding.carries_other(scaler):
@@ -169,7 +169,7 @@ class FP16_Optimizer:
             for bucket in self._buckets:
                 if bucket.master is not None:
                     bucket.param.copy_(bucket.master)
-        self.folding.end_round()
+        self.folding.finish_step()
         return loss
 
     def _step_inner(self) -> None:
@@ -184,12 +184,12 @@ class FP16_Optimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the model's and the masters' gradients (in place: they are flat buffers)."""
-        exits.resolve_for(self)  # the exit still moves the scale (Note [Apex's scale_loss exits])
+        exits.resolve_exit_of(self)  # it still moves the scale (Note [Apex's scale_loss exits])
         for bucket, master in zip(self._buckets, self._masters):
             bucket.zero_grad()
             master.grad.zero_()
         self.folding.raw_scaler = None
-        self.folding.end_round()
+        self.folding.finish_step()
 
     # ------------------------------------------------------------------------- Apex surface
     @property

@@ -53,7 +53,7 @@ def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0,
         return
     _check_scale_loss(opts, len(scalers), loss_id, delay_unscale, unscale_on_exit)
     scaler = scalers[loss_id]
-    exits.resolve(scaler)  # this loss gets the scale the last exit left
+    exits.resolve_pending_exit(scaler)  # this loss gets the scale the last exit left
     for opt in opts:
         opt.before_backward(scaler)
     yield scaler.scale(loss)
@@ -62,9 +62,9 @@ def scale_loss(loss: torch.Tensor, optimizers: Any, loss_id: int = 0,
             opt.after_backward(scaler)
         return
     if unscale_on_exit is False:
-        exits.close(scaler, opts)
+        exits.record_exit(scaler, opts)
     else:
-        exits.unscale(scaler, opts)
+        exits.unscale_at_exit(scaler, opts)
 
 
 def _check_loss_id_type(loss_id: Any) -> None:

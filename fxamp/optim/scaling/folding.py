@@ -2,7 +2,7 @@
 FP16_Optimizer each compose (`opt.folding`), and the rule for which scaler a step divides by.
 
 Gradients of several scalers, losses or optimizers that must skip together are folded (added,
-unscaled, into fp32 buffers, their overflow ORed into the scaler's `FoldRound`); the step skips
+unscaled, into fp32 buffers, their overflow ORed into the scaler's `ScaleRound`); the step skips
 if any folded scaler overflowed, and each scaler moves once the last optimizer of its round left.
 
 Design (docs/design.md): Note [Folding gradients of several scales], Note [Which scaler a step
@@ -19,63 +19,51 @@ import torch
 from fxamp.errors import ConfigError
 from fxamp.optim.functional import fused_step
 from fxamp.optim.scaling.loss_scaler import LossScaler
+from fxamp.optim.scaling.scale_round import ScaleRound
 
-__all__ = ["GradientFolding", "FoldRound", "UnscaledGrads"]
-
-
-class FoldRound:
-    """One scaler's folds between two moves of its scale: the overflow flag every fold ORs
-    into, and the optimizers' foldings that took part and have not stepped yet."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.found = torch.zeros((), dtype=torch.bool, device=device)
-        self.members: list[GradientFolding] = []
-
-    def join(self, folding: "GradientFolding") -> None:
-        if not any(m is folding for m in self.members):
-            self.members.append(folding)
-
-    def leave(self, folding: "GradientFolding", scaler: LossScaler) -> None:
-        """`folding` stepped (or dropped its gradients); the last one to leave moves the scale
-        by the round's flag and starts the next round."""
-        self.members = [m for m in self.members if m is not folding]
-        if not self.members:
-            scaler.update(self.found)
-            self.found.zero_()
+__all__ = ["GradientFolding", "UnscaledBucket", "UnscaledGrads"]
 
 
-def round_of(scaler: LossScaler, device: torch.device) -> FoldRound:
-    """`scaler`'s current FoldRound, on `device`."""
+def _round_on(scaler: LossScaler, device: torch.device) -> ScaleRound:
+    """`scaler`'s ScaleRound, its state and fold flag on `device`."""
     scaler.state_tensors(device)
-    current = scaler.fold_round
-    if current is None:
-        current = scaler.fold_round = FoldRound(device)
-    elif current.found.device != torch.device(device):
-        current.found = current.found.to(device)
-    return current
+    scaler.scale_round.found_on(device)
+    return scaler.scale_round
+
+
+@dataclasses.dataclass
+class UnscaledBucket:
+    """One bucket's gradients after a scale_loss exit unscaled them."""
+
+    keep: bool  # `acc` holds the fp32 sum the step takes
+    version: int  # the raw gradient buffer's version just after the unscale
 
 
 @dataclasses.dataclass
 class UnscaledGrads:
-    """An optimizer's gradients after a scale_loss exit unscaled them (Note [.grad after a
-    scale_loss exit])."""
+    """An optimizer's gradients after a scale_loss exit unscaled them, one record per bucket
+    (Note [.grad after a scale_loss exit])."""
 
-    keep: tuple[bool, ...]  # per bucket: `acc` holds the fp32 sum the step takes
-    versions: list[int]  # each raw gradient buffer's version just after the unscale
+    buckets: list[UnscaledBucket]
 
-    def edited(self, raws: Sequence[torch.Tensor]) -> list[bool]:
-        """Per bucket: `.grad` was written since the unscale (then it, not `acc`, is taken)."""
-        return [raw._version != v for raw, v in zip(raws, self.versions)]
+    @property
+    def keep(self) -> tuple[bool, ...]:
+        """Per bucket: `acc` holds the fp32 sum the step takes."""
+        return tuple(b.keep for b in self.buckets)
 
     def absorb_edits(self, raws: Sequence[torch.Tensor],
                      accs: Sequence[Optional[torch.Tensor]]) -> bool:
-        """Copy edited `.grad` into the kept `acc`; whether any bucket was edited."""
-        edited = self.edited(raws)
-        for i, (raw, acc, keep) in enumerate(zip(raws, accs, self.keep)):
-            if keep and edited[i]:
+        """Copy `.grad` written since the unscale into the kept `acc` (then it, not the
+        unscaled sum, is taken); whether any bucket was written."""
+        edited = False
+        for bucket, raw, acc in zip(self.buckets, raws, accs):
+            if raw._version == bucket.version:
+                continue
+            edited = True
+            if bucket.keep:
                 acc.copy_(raw)
-                self.versions[i] = raw._version
-        return any(edited)
+                bucket.version = raw._version
+        return edited
 
 
 class GradientFolding:
@@ -95,7 +83,7 @@ class GradientFolding:
         self.loss_scalers: tuple[LossScaler, ...] = ()  # initialize's, one per loss_id
         self.raw_scaler: Optional[LossScaler] = None  # the scale the raw gradients carry
         self._fold_fn = fold_fn
-        self._involved: list[LossScaler] = []  # scalers folded into the fp32 grads this step
+        self._folded: list[LossScaler] = []  # scalers folded into the fp32 grads this step
         self._exit_flags: list[torch.Tensor] = []  # overflow flags of this step's resolved exits
 
     def set_loss_scalers(self, scalers: Sequence[LossScaler], owner: str) -> None:
@@ -105,17 +93,19 @@ class GradientFolding:
                               f"fxamp.optim.LossScaler, not {scalers!r}")
         self.loss_scalers = scalers
 
-    def scaler_for(self, given: Optional[LossScaler] = None, *,
-                   default: bool = True) -> Optional[LossScaler]:
-        """The scaler the raw gradients carry (Note [Which scaler a step divides by]);
-        `default=False` leaves out initialize's first scaler (rule 3)."""
+    def scaler_to_divide_by(self, given: Optional[LossScaler] = None) -> Optional[LossScaler]:
+        """The scaler the raw gradients carry: rules 1 to 3 of Note [Which scaler a step
+        divides by]."""
+        if self.raw_scaler is None and not self._exit_flags and given is None:
+            return self.loss_scalers[0] if self.loss_scalers else None
+        return self.scaler_carried(given)
+
+    def scaler_carried(self, given: Optional[LossScaler] = None) -> Optional[LossScaler]:
+        """Rules 1 and 2 of Note [Which scaler a step divides by] (initialize's first scaler
+        left out): what a step must fold before it takes folded gradients."""
         if self.raw_scaler is not None:
             return self.raw_scaler
-        if self._exit_flags:
-            return None
-        if given is not None or not default:
-            return given
-        return self.loss_scalers[0] if self.loss_scalers else None
+        return None if self._exit_flags else given
 
     def carries_other(self, scaler: LossScaler) -> bool:
         """The raw gradients carry a scale other than `scaler`'s: fold them before a backward
@@ -124,15 +114,15 @@ class GradientFolding:
 
     def folds_nothing(self) -> bool:
         """No gradients were folded into fp32 this step."""
-        return not self._involved and not self._exit_flags
+        return not self._folded and not self._exit_flags
 
     def fold(self, scaler: LossScaler, raws: Sequence[torch.Tensor],
              accs: Sequence[torch.Tensor], owner: object) -> None:
         """Add `raws`, divided by `scaler`'s scale, to `accs`; OR their overflow into the
         scaler's round, which this optimizer joins."""
         inv_scale = fused_step.inverse(scaler.state_tensors(self.device)[0])
-        self._fold_fn(raws, accs, inv_scale, round_of(scaler, self.device).found)
-        self.involve(scaler, owner)
+        self._fold_fn(raws, accs, inv_scale, _round_on(scaler, self.device).found)
+        self.record_fold(scaler, owner)
 
     def fold_exit(self, scaler: LossScaler, flag: torch.Tensor, raws: Sequence[torch.Tensor],
                   accs: Sequence[torch.Tensor], owner: object) -> None:
@@ -154,54 +144,59 @@ class GradientFolding:
         scaler.scaled_graphs.mark_done(owner)
         self.raw_scaler = None
         self._exit_flags.append(flag)
-        self.unscaled = UnscaledGrads(keep, [raw._version for raw in raws])
+        self.unscaled = UnscaledGrads([UnscaledBucket(k, raw._version)
+                                       for k, raw in zip(keep, raws)])
 
     @torch.no_grad()
-    def settle_unscaled(self, raws: Sequence[torch.Tensor],
-                        accs: Sequence[torch.Tensor]) -> None:
+    def fold_unscaled(self, raws: Sequence[torch.Tensor],
+                      accs: Sequence[torch.Tensor]) -> None:
         """Unscaled gradients become folded ones (all in `acc`, `.grad` zero) before another
         backward adds to them or a fold takes them."""
         unscaled, self.unscaled = self.unscaled, None
         if unscaled is None:
             return
         unscaled.absorb_edits(raws, accs)
-        for raw, acc, keep in zip(raws, accs, unscaled.keep):
-            if not keep:
+        for bucket, raw, acc in zip(unscaled.buckets, raws, accs):
+            if not bucket.keep:
                 acc.add_(raw)
             raw.zero_()
         self.raw_scaler = None
 
-    def involve(self, scaler: LossScaler, owner: object,
-                found: Optional[torch.Tensor] = None) -> None:
+    def record_fold(self, scaler: LossScaler, owner: object,
+                    found: Optional[torch.Tensor] = None) -> None:
         """The raw gradients, which carried `scaler`'s scale, were taken into fp32 (`found`:
         their overflow flag, when they were not folded by `fold`)."""
         scaler.scaled_graphs.mark_done(owner)
-        fold_round = round_of(scaler, self.device)
+        scale_round = _round_on(scaler, self.device)
         if found is not None:
-            fold_round.found.logical_or_(found)
-        if scaler not in self._involved:
-            self._involved.append(scaler)
-            fold_round.join(self)
+            scale_round.found.logical_or_(found)
+        if scaler not in self._folded:
+            self._folded.append(scaler)
+            scale_round.join(self)
         self.raw_scaler = None
 
     @property
-    def involved(self) -> tuple[LossScaler, ...]:
+    def folded_scalers(self) -> tuple[LossScaler, ...]:
         """The scalers folded this step, in the order they were first folded."""
-        return tuple(self._involved)
+        return tuple(self._folded)
 
-    def involved_flags(self) -> list[torch.Tensor]:
+    def folded_flags(self) -> list[torch.Tensor]:
         """The overflow flags of the scalers folded this step (to agree on over ranks)."""
-        return [round_of(s, self.device).found for s in self._involved]
+        return [_round_on(s, self.device).found for s in self._folded]
 
     def found(self) -> torch.Tensor:
         """Whether any scaler folded this step, or any resolved exit, saw an overflow (a 0-dim
         device flag)."""
-        return torch.stack(self.involved_flags() + self._exit_flags).any()
+        return torch.stack(self.folded_flags() + self._exit_flags).any()
 
-    def end_round(self) -> None:
-        """The step took the folded gradients (or they were dropped): leave every round."""
-        for scaler in self._involved:
-            round_of(scaler, self.device).leave(self, scaler)
-        self._involved = []
+    def finish_step(self) -> None:
+        """The step took the folded gradients (or they were dropped): leave the round of every
+        scaler folded, moving each whose last member this was by its folds' flag."""
+        for scaler in self._folded:
+            scale_round = _round_on(scaler, self.device)
+            if scale_round.leave(self):
+                scaler.update(scale_round.found)
+                scale_round.clear_found()
+        self._folded = []
         self._exit_flags = []
         self.unscaled = None

@@ -11,7 +11,7 @@ FP16_Optimizer, GradScaler's `update()`).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 
@@ -23,12 +23,10 @@ from fxamp.optim.functional.scale_rule import (UNSET, build_rule, check_backoff_
                                     check_growth_factor, check_growth_interval,
                                     check_new_scale, check_scale_value, compiled_update,
                                     update_in_place)
+from fxamp.optim.scaling.scale_round import ScaleRound
 from fxamp.optim.scaling.scaled_graphs import ScaledGraphs
 from fxamp.optim.scaling.scaler_protocol import OptimizerStates, OptState
 from fxamp.optim.state_checks import parse_scaler_state, single_scaler_entry
-
-if TYPE_CHECKING:
-    from fxamp.optim.scaling.folding import FoldRound
 
 __all__ = ["LossScaler", "OptState"]
 
@@ -87,8 +85,7 @@ class LossScaler:
         self._enabled = validation.boolean(enabled, "enabled")
         self._init = (init if static == "dynamic" else static, 0, self.rule.hysteresis, 0)
         self._state: Optional[tuple[torch.Tensor, ...]] = None
-        self.pending_exit: Optional[tuple] = None  # Note [Apex's scale_loss exits] (exits.py)
-        self.fold_round: Optional[FoldRound] = None  # folds awaiting their steps (folding.py)
+        self.scale_round = ScaleRound()  # what exits.py and folding.py owe before it moves
         self._update = compiled_update() if compile else update_in_place
         self.scaled_graphs = ScaledGraphs(self)  # Note [A scaled backward awaits its step]
         self._optimizers = OptimizerStates()  # Note [GradScaler's protocol]

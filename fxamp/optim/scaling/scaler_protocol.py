@@ -33,6 +33,7 @@ from fxamp._compat import unscale_and_check_
 from fxamp.errors import ConfigError
 from fxamp.optim.functional.fused_step import inverse
 from fxamp.optim.master_check import check_master_weights
+from fxamp.optim.scaling.scale_round import ScaleRound
 
 if TYPE_CHECKING:
     from fxamp.optim.scaling.loss_scaler import LossScaler
@@ -143,7 +144,7 @@ def _check_optimizer(optimizer: Any, call: str) -> bool:
 def _unscale_fused(scaler: "LossScaler", optimizer: Any) -> torch.Tensor:
     view = held(scaler, optimizer.folding.device)
     optimizer.unscale_in_place_(view)
-    return view.fold_round.found.clone()  # this unscale_'s overflow, before the step clears it
+    return view.scale_round.found.clone()  # this unscale_'s overflow, before the step clears it
 
 
 def _unscale_torch(scaler: "LossScaler", optimizer: Any) -> Optional[torch.Tensor]:
@@ -175,5 +176,5 @@ def held(scaler: "LossScaler", device: torch.device) -> "LossScaler":
     scaler.state_tensors(device)
     view = copy.copy(scaler)
     view.rule = scaler.rule._replace(moves=False)
-    view.fold_round, view.pending_exit = None, None
+    view.scale_round = ScaleRound()  # nothing pending or folded on the held view
     return view
