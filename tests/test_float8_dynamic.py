@@ -197,3 +197,19 @@ def test_inductor_runs_the_dynamic_float8_graph():
     choice = next(n.meta["fxamp_float8"] for n in compiled[-1].graph_module.graph.nodes
                   if "fxamp_float8" in n.meta)
     assert not isinstance(choice.shape[0], int)  # M is symbolic in the second graph
+
+
+def test_gemm_flops_of_a_dynamic_graph_are_counted_at_the_traced_sizes():
+    """explain()'s float8 FLOP share reads each GEMM's FLOPs; at a symbolic M they are counted
+    at the sizes the graph was traced with (they were 0, so a dynamic graph showed 0 %)."""
+    model = _linear()
+    fxamp.compile(model, opt_level="O1", float8="tensorwise", compiler="aot_eager")
+    x = torch.randn(2, 16, 64)
+    torch._dynamo.mark_dynamic(x, 0)
+    model(x)
+    (graph,) = fxamp.backend_of(model).compiled_graphs
+    choices = [n.meta["fxamp_float8"] for n in graph.graph_module.graph.nodes
+               if "fxamp_float8" in n.meta]
+    assert [(c.float8, c.flops) for c in choices] == [(True, 2 * 32 * 64 * 64)]
+    assert not all(isinstance(d, int) for d in next(
+        n for n in graph.graph_module.graph.nodes if "fxamp_float8" in n.meta).meta["val"].shape)

@@ -29,7 +29,7 @@ from fxamp._compat.tracing import (EXAMPLE_VALUE, FWD_NN_MODULE_STACK, GET_DATA_
                                    TorchDispatchMode, detect_fake_mode, emit_call,
                                    from_node_names, make_fx, make_fx_tracer, python_dispatcher,
                                    pytree, record_node, rename_node, retrace_subgraph,
-                                   size_rule_holds, split_returned_input, storage_key,
+                                   size_hint, size_rule_holds, split_returned_input, storage_key,
                                    traced_record)
 
 __all__ = [
@@ -44,7 +44,7 @@ __all__ = [
     "own_tensors", "PARTITIONER_TAG", "python_dispatcher", "pytree",
     "recompute_pointwise_options", "record_node", "rename_node", "retrace_subgraph",
     "run_and_get_code", "scaled_mm", "scaled_mm_refusal", "SEQ_NR", "set_compiled_call",
-    "SET_GRAD_ENABLED", "size_rule_holds", "split_returned_input", "storage_key",
+    "SET_GRAD_ENABLED", "size_hint", "size_rule_holds", "split_returned_input", "storage_key",
     "TorchDispatchMode", "traced_record", "unscale_and_check_", "unsharded_class",
     "Unsupported", "UserError", "without_donated_buffers"
 ]

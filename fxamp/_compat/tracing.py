@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.fx as fx
@@ -126,6 +126,16 @@ def size_rule_holds(cond: Any) -> bool:
     from torch.fx.experimental.symbolic_shapes import guard_or_false
 
     return guard_or_false(cond)
+
+
+def size_hint(value: Any) -> Optional[int]:
+    """An int size, or the value a symbolic one (SymInt) had in the example being traced;
+    None when it has none (data-dependent). `SymInt.node.hint`, checked on 2.11.0, 2.13.0,
+    2.14.1."""
+    if isinstance(value, int):
+        return value
+    hint = getattr(getattr(value, "node", None), "hint", None)
+    return hint if isinstance(hint, int) else None
 
 
 def python_dispatcher() -> Any:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.fx as fx
 
-from fxamp._compat import SET_GRAD_ENABLED, detect_fake_mode, size_rule_holds
+from fxamp._compat import SET_GRAD_ENABLED, detect_fake_mode, size_hint, size_rule_holds
 from fxamp.config import AmpConfig
 from fxamp.float8.config import Float8Config
 from fxamp.float8.delayed import PREFIX, Float8History, history_name
@@ -67,14 +67,13 @@ def _module(node: fx.Node) -> tuple[str, str]:
 
 
 def _flops(node: fx.Node) -> int:
-    # 2 * (output elements) * K: batched and broadcast GEMMs included.
+    # 2 * (output elements) * K: batched and broadcast GEMMs included; at symbolic sizes, at
+    # the sizes of the example traced (0 where a size depends on data).
     left = node.args[1] if GEMM_OPS[node.target] in ("addmm", "baddbmm") else node.args[0]
     out, a = _val(node), _val(left)
     if not isinstance(out, torch.Tensor) or not isinstance(a, torch.Tensor):
         return 0
-    k = a.shape[-1]
-    total = 2 * out.numel() * k
-    return total if isinstance(total, int) else 0
+    return size_hint(2 * out.numel() * a.shape[-1]) or 0
 
 
 # Note [Float8 GEMMs at symbolic shapes]: after Dynamo recompiles for a new batch size or
