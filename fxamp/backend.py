@@ -18,7 +18,7 @@ from fxamp.model.double_backward import eager_autograd, first_order_only
 from fxamp.model.eager_regions import without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
-from fxamp.float8.delayed import history_of
+from fxamp.float8.delayed import Float8History, history_of
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.provenance import place_in_model
@@ -100,12 +100,15 @@ class FxampBackend:
         # The CompileSettings the model was prepared with (set by prepare.compile_module), so that
         # fxamp.model.recompile.recompile can prepare it again alike.
         self.settings: Any = None
+        # Note [Graphs that hold a model's state]: the Float8History of the model, for delayed
+        # float8 (set by prepare.compile_module before the model is compiled); None otherwise.
+        self.owner: Optional[Float8History] = None
 
     def for_module(self, path: str, module_type: type) -> "FxampBackend":
         """A backend for the forward of the submodule at `path`, recording its graphs with
         this one's and naming its modules as the model does."""
         unit = FxampBackend(self.config, **self.compile_args, module=(path, module_type))
-        unit.compiled_graphs, unit.model = self.compiled_graphs, self.model
+        unit.compiled_graphs, unit.model, unit.owner = self.compiled_graphs, self.model, self.owner
         return unit
 
     def _float8_history(self, config: AmpConfig):
@@ -117,10 +120,11 @@ class FxampBackend:
         return history
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, FxampBackend) and other._key == self._key
+        return (isinstance(other, FxampBackend) and other._key == self._key
+                and other.owner is self.owner)
 
     def __hash__(self) -> int:
-        return hash(self._key)
+        return hash((self._key, id(self.owner)))
 
     def __repr__(self) -> str:
         return f"FxampBackend({self.config.opt_level}, key={self._key[0]})"
@@ -159,6 +163,15 @@ class FxampBackend:
         # Note [Graphs whose backward runs twice]
         compiled = _compat.without_donated_buffers(self._inner, aten_gm, example_inputs)
         return first_order_only(compiled, compiler_name(self.compile_args["compiler"]))
+
+
+# Note [Graphs that hold a model's state]: Dynamo reuses a graph compiled by an equal backend
+# (its backend guard compares backends with ==), so a second model of the same class prepared
+# with the same config runs the first one's graphs without compiling (the graphs read the
+# parameters as inputs). A delayed-float8 graph also holds its model's amax-history buffers: a
+# second model (or a copy) reusing it would read and push the first one's histories. So a
+# backend whose model keeps histories equals only a backend of the same histories (`owner`,
+# compared by identity: a new model never matches a collected one's graphs).
 
 
 # Note [Graphs whose backward runs twice]: AOTAutograd marks a saved activation that aliases no

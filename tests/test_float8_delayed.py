@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fxamp
+from fxamp import _compat
 from fxamp._compat import aot_autograd, make_boxed_func
 from fxamp.float8 import Float8Config
 
@@ -198,18 +199,19 @@ def test_a_checkpoint_with_trace_order_names_is_refused():
         assert torch.equal(fresh[0].weight, model[0].weight)
 
 
+class Broken(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(64, 64))
+        self.w2 = torch.nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x):
+        h = x @ self.w1
+        torch._dynamo.graph_break()
+        return h @ self.w2  # the same module, op and rank as x @ w1, in another graph
+
+
 def test_two_gemms_split_by_a_graph_break_are_refused():
-    class Broken(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1 = torch.nn.Parameter(torch.randn(64, 64))
-            self.w2 = torch.nn.Parameter(torch.randn(64, 64))
-
-        def forward(self, x):
-            h = x @ self.w1
-            torch._dynamo.graph_break()
-            return h @ self.w2  # the same module, op and rank as x @ w1, in another graph
-
     model = Broken()
     before = copy.deepcopy(model.state_dict())
     fxamp.compile(model, opt_level="O1", float8=DELAYED, compiler="aot_eager")
@@ -247,17 +249,6 @@ def test_a_stale_stack_trace_does_not_merge_two_histories():
     silently shared one history); the GEMMs' weights still tell them apart."""
     import torch.fx.traceback as fx_traceback
 
-    class Broken(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w1 = torch.nn.Parameter(torch.randn(64, 64))
-            self.w2 = torch.nn.Parameter(torch.randn(64, 64))
-
-        def forward(self, x):
-            h = x @ self.w1
-            torch._dynamo.graph_break()
-            return h @ self.w2
-
     model = fxamp.compile(Broken(), opt_level="O1", float8=DELAYED, compiler="aot_eager")
     with fx_traceback.preserve_node_meta():
         fx_traceback.get_current_meta()["stack_trace"] = (
@@ -265,3 +256,48 @@ def test_a_stale_stack_trace_does_not_merge_two_histories():
         with pytest.raises(fxamp.ConfigError, match=r"elsewhere.py:1 in f: y = 1 \(weight "
                            r"'w1'\) and elsewhere.py:1 in f: y = 1 \(weight 'w2'\)"):
             model(torch.randn(32, 64))
+
+
+class Split(torch.nn.Module):
+    """Two GEMMs in different modules, a graph break between them."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(torch.relu(h))
+
+
+def test_models_of_one_class_keep_their_own_histories():
+    """Note [Graphs that hold a model's state] (fxamp/backend.py): a second model of the same
+    class and config, and a deepcopy (an EMA copy), get graphs and histories of their own; the
+    first model's histories are untouched by their forwards (Dynamo gave them its graphs,
+    which push into its histories, before)."""
+    first = _compiled(Split())
+    _train(first, torch.optim.SGD(first.parameters(), lr=0.01), _batches(1, seed=7))
+    kept = _histories(first)
+    second, ema = _compiled(Split()), copy.deepcopy(first)
+    for other in (second, ema):
+        _train(other, torch.optim.SGD(other.parameters(), lr=0.01), _batches(2, seed=8))
+        assert sorted(_histories(other)) == sorted(kept)
+        assert all(h.any() for h in _histories(other).values())
+        assert len(fxamp.backend_of(other).compiled_graphs) == 2
+    assert all(torch.equal(v, kept[k]) for k, v in _histories(first).items())
+
+
+@pytest.mark.skipif(not _compat.isolated_recompiles(), reason="torch.compile has no "
+                    "isolate_recompiles before 2.13: graph-broken frames share its limit")
+def test_more_models_than_dynamos_recompile_limit_all_compile():
+    # Each model's graphs hold its histories, so none reuses another's: twelve models of one
+    # class whose forward breaks the graph (a resume function they all share) still each get
+    # their graphs, past Dynamo's recompile limit of 8 per code object.
+    counts = []
+    for _ in range(12):
+        model = _compiled(Split())
+        model(torch.randn(32, 64))
+        counts.append(len(fxamp.backend_of(model).compiled_graphs))
+    assert counts == [2] * 12

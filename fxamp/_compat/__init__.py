@@ -15,7 +15,8 @@ from fxamp._compat.distributed import (active_ddp_module, ddp_bucket_dtypes, fsd
                                        functional_all_reduce, unsharded_class)
 from fxamp._compat.dynamo import (BackendCompilerFailed, Unsupported, UserError, aot_autograd,
                                   aot_eager, compile_cache_counters, compile_fresh,
-                                  compile_time_metrics, dynamo_counters, dynamo_traces_rnns)
+                                  compile_time_metrics, dynamo_counters, dynamo_traces_rnns,
+                                  isolated_recompiles)
 from fxamp._compat.inductor import (compile_fx, inductor_config_keys, list_mode_options,
                                     make_boxed_func, recompute_pointwise_options,
                                     run_and_get_code, without_donated_buffers)
@@ -36,7 +37,8 @@ __all__ = [
     "TORCH_VERSION", "active_ddp_module", "aot_autograd", "aot_eager", "BackendCompilerFailed",
     "call_impl", "compile_cache_counters", "compile_fresh", "compile_fx",
     "compile_time_metrics", "COMPILED_CALL_ATTR", "ddp_bucket_dtypes", "detect_fake_mode",
-    "dynamo_counters", "dynamo_traces_rnns", "emit_call", "ENTER_AUTOCAST", "EXAMPLE_VALUE",
+    "dynamo_counters", "dynamo_traces_rnns", "isolated_recompiles", "emit_call",
+    "ENTER_AUTOCAST", "EXAMPLE_VALUE",
     "EXIT_AUTOCAST", "FakeTensor", "FakeTensorMode", "foreach_add_", "foreach_copy_",
     "from_node_names", "fsdp_module_class", "functional_all_reduce", "FWD_NN_MODULE_STACK",
     "GET_DATA_ATTR", "HigherOrderOperator", "inductor_config_keys", "list_mode_options",

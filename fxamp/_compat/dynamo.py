@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import types
 from typing import Any, Callable
 
@@ -50,6 +51,15 @@ def compile_fresh(fn: Callable, **compile_kwargs: Any) -> Callable:
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
     return torch.compile(copy, **compile_kwargs)
+
+
+def isolated_recompiles() -> dict[str, Any]:
+    """`torch.compile` keywords that give the compiled function a Dynamo cache region of its
+    own, resume functions after graph breaks included (`isolate_recompiles=True`, 2.13 on);
+    {} where torch has none (2.11: entries share the code object's recompile limit)."""
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters:
+        return {"isolate_recompiles": True}
+    return {}
 
 
 def compile_time_metrics() -> dict[str, list[float]]:

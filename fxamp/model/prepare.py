@@ -27,7 +27,7 @@ from fxamp.model.copies import forget_copyable, make_copyable
 from fxamp.model.eager_regions import untraced_modules, warn_untraced, with_policy_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
-from fxamp.float8.delayed import attach_history, detach_history
+from fxamp.float8.delayed import attach_history, detach_history, history_of
 from fxamp.planner.plan import PrecisionPlan
 from fxamp.policy.rules import check_module_overrides
 from fxamp.model.sharded_modules import (check_copyable, check_sharded, compile_sharded_modules,
@@ -202,10 +202,14 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     history_hook = attach_history(model, fxamp_backend.config.float8) if initialised else None
     if history_hook is not None:
         undo.callback(detach_history, model, history_hook)
+    fxamp_backend.owner = history_of(model)  # Note [Graphs that hold a model's state]
     forward = boundary_forward(model, fxamp_backend.config)
+    # A model whose graphs hold its state compiles them in a Dynamo cache region of its own,
+    # so that other models' graphs count against no recompile limit of its frames.
+    isolated = _compat.isolated_recompiles() if fxamp_backend.owner is not None else {}
     compiled = with_policy_autocast(
         torch.compile(forward, backend=fxamp_backend, dynamic=settings.dynamic,
-                      fullgraph=settings.fullgraph), fxamp_backend.config,
+                      fullgraph=settings.fullgraph, **isolated), fxamp_backend.config,
         recurrent=_has_recurrent(model))
 
     # Note [Sharded modules are compiled one by one]
@@ -215,7 +219,7 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
         fxamp_backend.sharded_at_first_call = bool(targets)
         compile_sharded_modules(model, targets, lambda fn, path, module_type: torch.compile(
             fn, backend=fxamp_backend.for_module(path, module_type), dynamic=settings.dynamic,
-            fullgraph=settings.fullgraph), undo)
+            fullgraph=settings.fullgraph, **isolated), undo)
 
     fxamp_backend.model, fxamp_backend.settings = model, settings
     _compat.set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
