@@ -11,9 +11,10 @@ and Apex's scale_loss exits is in folded_steps.py.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from fxamp.errors import ConfigError
 from fxamp.optim import checkpoint, distributed, param_checks, param_groups
@@ -31,7 +32,7 @@ from fxamp.optim.scaling.folding import GradientFolding
 from fxamp.optim.scaling.loss_scaler import LossScaler
 from fxamp.optim.scaling.master_grads import MasterGrads
 
-if TYPE_CHECKING:  # larc.py builds on this module
+if TYPE_CHECKING:  # larc.py imports this module; torch.distributed may be unavailable
     from torch.distributed import ProcessGroup
 
     from fxamp.optim.apex.larc import LARCSettings
@@ -60,7 +61,7 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
     larc: Optional[LARCSettings] = None  # once fxamp.optim.LARC applied them
     fuses_loss_scaling = True  # a LossScaler's GradScaler protocol hands it the scaler
 
-    def __init__(self, params: Union[Iterable[torch.Tensor], Iterable[dict[str, Any]]],
+    def __init__(self, params: ParamsT,
                  defaults: dict[str, Any], *, max_grad_norm: Optional[float] = None,
                  master_weights: bool = True, compile: bool = True,
                  process_group: Union[ProcessGroup, str, None] = distributed.AUTO,
