@@ -85,7 +85,6 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         device = next(p for g in self.param_groups for p in g["params"]).device
         self._device_state = DeviceState(device, self.state_format, fp32_masters=fp32_masters)
         self._device_state.add_groups(self.param_groups, 0, self.algorithm, buckets)
-        self._device = device
         self.found_inf = torch.zeros((), dtype=torch.bool, device=device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
         self.grad_norm = torch.full((), float("nan"), device=device)
@@ -132,7 +131,7 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
             param_checks.check_hyperparameters(self.param_groups[-1], index, owner)
             return
         param_checks.check_added_group({**self.defaults, **param_group}, index, owner,
-                                       self._device)
+                                       self._device_state.device)
         check_state_params(self.state_format, [*self.param_groups, param_group],
                            self.master_weights, owner)
         super().add_param_group(param_group)  # its own checks fail before it appends
@@ -237,10 +236,10 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
 
     def _fused_step(self, grads: Sequence[torch.Tensor], scaler: Optional[LossScaler], *,
                     check: bool, found_in: Optional[torch.Tensor] = None) -> None:
-        scale_state = None if scaler is None else scaler.state_tensors(self._device)
+        state = self._device_state
+        scale_state = None if scaler is None else scaler.state_tensors(state.device)
         if scaler is not None:
             scaler.scaled_graphs.mark_done(self)
-        state = self._device_state
         step_state = fused_step.StepState(state.hyper, state.step_count, self.found_inf,
                                           self.grad_norm)
         coefs = self._fns.prologue(

@@ -22,7 +22,7 @@ from fxamp.optim.buffers.state_format import StateFormat
 from fxamp.optim.functional.algorithms import Algorithm
 from fxamp.optim.functional.fused_step import BucketArgs
 
-__all__ = ["BucketSlot", "DeviceState", "hyper_tensor"]
+__all__ = ["BucketSlot", "DeviceState"]
 
 
 @dataclasses.dataclass
@@ -47,7 +47,7 @@ class BucketSlot:
                           self.state.master)
 
 
-def hyper_tensor(rows: list[tuple], device: torch.device) -> torch.Tensor:
+def _hyper_tensor(rows: list[tuple], device: torch.device) -> torch.Tensor:
     """The [groups, columns] float64 hyperparameter tensor of the given rows."""
     return torch.tensor([[float(v) for v in row] for row in rows],
                         dtype=torch.float64).to(device)
@@ -90,7 +90,7 @@ class DeviceState:
                        for b in flatten_group(gi, g, master_weights=self.fp32_masters)]
         rows = [algorithm.hyper_row(g) for g in groups]
         self._hyper_seen.extend(rows)
-        new_hyper = hyper_tensor(rows, self.device)
+        new_hyper = _hyper_tensor(rows, self.device)
         new_steps = torch.zeros(len(rows), dtype=torch.float32, device=self.device)
         self.hyper = new_hyper if self.hyper is None else torch.cat([self.hyper, new_hyper])
         self.step_count = (new_steps if self.step_count is None
