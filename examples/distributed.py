@@ -150,7 +150,7 @@ def float8_gemms(model) -> str:
 
 def report(model, opt, scaler, skipped) -> None:
     """What each rank saw; every rank must agree."""
-    mine = (int(skipped), scaler.get_scale(), int(opt._step_count.item()),
+    mine = (int(skipped), scaler.get_scale(), int(opt.step_counts.item()),
             round(weights(model).double().sum().item(), 8), str(next(model.parameters()).dtype))
     seen = [None] * dist.get_world_size()
     dist.all_gather_object(seen, mine)

@@ -64,8 +64,8 @@ def _model_state(model):
 
 
 def _opt_state(opt):
-    flat = [opt._step_count, opt.found_inf, opt._hyper,
-            *(t for h in opt._bucket_states for s in h.states for t in s)]
+    flat = [opt.step_counts, opt.found_inf, opt._device_state.hyper,
+            *(t for h in opt.bucket_states for s in h.states for t in s)]
     for b in opt.buckets:
         flat += [b.param, b.grad] + ([] if b.master is None else [b.master])
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]

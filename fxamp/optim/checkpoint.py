@@ -17,6 +17,9 @@ import torch
 from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.optim import param_checks
+from fxamp.optim.buffers.bucket import Bucket
+from fxamp.optim.buffers.state_buffers import BucketState
+from fxamp.optim.functional.algorithms import Algorithm
 from fxamp.optim.functional.codecs import BLOCK
 
 
@@ -34,14 +37,14 @@ class Checkpointable(Protocol):
     """The public interface of a fused optimizer that its checkpoints are made from."""
 
     param_groups: list[dict[str, Any]]
-    state: Any  # torch.optim's per-parameter state, filled by expose_state
-    algorithm: Any  # its `state_keys` name the states
+    state: dict[torch.Tensor, dict[str, Any]]  # torch.optim's, filled by expose_state
+    algorithm: Algorithm  # its `state_keys` name the states
 
     @property
-    def buckets(self) -> Sequence[Any]: ...
+    def buckets(self) -> Sequence[Bucket]: ...
 
     @property
-    def bucket_states(self) -> Sequence[Any]: ...
+    def bucket_states(self) -> Sequence[BucketState]: ...
 
     @property
     def step_counts(self) -> torch.Tensor: ...
@@ -61,7 +64,8 @@ def expose_state(opt: "Checkpointable") -> None:
             opt.state[p] = entry
 
 
-def _state_views(bucket, held, keys) -> list[tuple[str, list]]:
+def _state_views(bucket: Bucket, held: BucketState,
+                 keys: Sequence[str]) -> list[tuple[str, list]]:
     """Per-parameter views of each state: int8 codes shaped like the parameter, and their
     bf16 block scales under "<key>_scale" (Note [8-bit moments] in docs/design.md: a block never
     straddles two parameters; Note [Block scales of sharded parameters] in docs/design.md)."""
@@ -158,7 +162,7 @@ def keeps_codes(opt: "Checkpointable") -> bool:
     return any(_has_codes(held) for held in opt.bucket_states)
 
 
-def _has_codes(held: Any) -> bool:
+def _has_codes(held: BucketState) -> bool:
     return any(len(bufs) == 2 for bufs in held.states)  # codes and scales (codecs.new_state)
 
 

@@ -18,13 +18,16 @@ CUDA the collective is ordered on the stream like any other kernel.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from fxamp._compat import functional_all_reduce
 from fxamp.errors import ConfigError
+
+if TYPE_CHECKING:  # torch.distributed may be unavailable (then ProcessGroup is missing)
+    from torch.distributed import ProcessGroup
 
 __all__ = ["AUTO", "resolve_group", "is_dtensor", "agree_found", "global_squared_norm",
            "agree_flags_"]
@@ -42,8 +45,8 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def resolve_group(process_group: Any, sharded_params: Sequence[torch.Tensor],
-                  owner: str) -> Optional[Any]:
+def resolve_group(process_group: Union[ProcessGroup, str, None],
+                  sharded_params: Sequence[torch.Tensor], owner: str) -> Optional[ProcessGroup]:
     """The group the step agrees over, or None; checks it against the sharded parameters.
 
     Raises:
@@ -68,7 +71,7 @@ def resolve_group(process_group: Any, sharded_params: Sequence[torch.Tensor],
     return group
 
 
-def _pick_group(process_group: Any, owner: str) -> Optional[Any]:
+def _pick_group(process_group: object, owner: str) -> Optional[ProcessGroup]:
     if process_group is None:
         return None
     if isinstance(process_group, str):
@@ -84,13 +87,13 @@ def _pick_group(process_group: Any, owner: str) -> Optional[Any]:
     return None if dist.get_world_size(process_group) < 2 else process_group
 
 
-def agree_found(found: torch.Tensor, group: Any) -> torch.Tensor:
+def agree_found(found: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     """The overflow flag OR-ed over the group (a traced all-reduce, no host read)."""
     return functional_all_reduce(found.float(), "max", group) != 0
 
 
 def global_squared_norm(grads: Sequence[torch.Tensor], sharded: Sequence[bool],
-                        group: Any) -> torch.Tensor:
+                        group: ProcessGroup) -> torch.Tensor:
     """Sum of squares of all gradients: the sharded buckets' part summed over the group, the
     replicated buckets' part (identical on every rank) added once."""
     squares = [g.float().square().sum() for g in grads]
@@ -99,7 +102,7 @@ def global_squared_norm(grads: Sequence[torch.Tensor], sharded: Sequence[bool],
     return functional_all_reduce(local, "sum", group) + replicated
 
 
-def agree_flags_(flags: Sequence[torch.Tensor], group: Any) -> None:
+def agree_flags_(flags: Sequence[torch.Tensor], group: ProcessGroup) -> None:
     """OR each 0-dim bool flag over the group in place (eager; one collective for all)."""
     if not flags:
         return

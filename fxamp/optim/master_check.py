@@ -14,7 +14,7 @@ optimizer for bfloat16 ones (bfloat16 training without masters is a choice some 
 from __future__ import annotations
 
 import warnings
-from typing import Any, MutableSet
+from typing import MutableSet
 
 import torch
 
@@ -28,7 +28,8 @@ class MasterWeightsWarning(UserWarning):
     fp32 masters] in fxamp/optim/master_check.py)."""
 
 
-def check_master_weights(optimizer: Any, caller: str, warned: MutableSet[Any]) -> None:
+def check_master_weights(optimizer: torch.optim.Optimizer, caller: str,
+                         warned: MutableSet[torch.optim.Optimizer]) -> None:
     """Refuse float16 parameters in a torch.optim `optimizer` (it keeps no fp32 masters); warn
     once per optimizer (remembered in `warned`) for bfloat16 ones. fxamp's own optimizers
     (`fuses_loss_scaling`) are never refused: they keep masters unless told not to.

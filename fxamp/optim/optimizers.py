@@ -3,14 +3,20 @@ compiled step over flat buffers, with loss scaling, fp32 masters and gradient cl
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+from torch.optim.optimizer import ParamsT
 
 from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.optim.functional import algorithms
 from fxamp.optim import apex_keywords
 from fxamp.optim.distributed import AUTO
+from fxamp.optim.buffers.state_format import StateFormat
 from fxamp.optim.optimizer import FusedOptimizer
+
+if TYPE_CHECKING:  # torch.distributed may be unavailable
+    from torch.distributed import ProcessGroup
 
 __all__ = ["Adam", "AdamW", "SGD", "LAMB"]
 
@@ -39,7 +45,7 @@ def _check_apex(opt: FusedOptimizer, given: dict[str, Any]) -> None:
     apex_keywords.check(type(opt).__name__, given, type(opt)._apex_table)
 
 
-def _tuple(betas: Any) -> Any:
+def _tuple(betas: object) -> object:
     return tuple(betas) if isinstance(betas, list) else betas  # torch.optim stores a tuple
 
 
@@ -55,10 +61,11 @@ class Adam(FusedOptimizer):
     algorithm = algorithms.ADAM
     _apex_table = apex_keywords.ADAM
 
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
-                 compile: bool = True, process_group: Any = AUTO, state_format: Any = None,
+                 compile: bool = True, process_group: Union[ProcessGroup, str, None] = AUTO,
+                 state_format: Union[StateFormat, str, None] = None,
                  **apex: bool) -> None:
         _check_apex(self, apex)
         defaults = dict(lr=lr, betas=_tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -79,7 +86,7 @@ class AdamW(Adam):
     algorithm = algorithms.ADAMW
     _apex_table = apex_keywords.ADAMW
 
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, **kwargs: Any) -> None:
         super().__init__(params, lr, betas, eps, weight_decay, **kwargs)
 
@@ -97,10 +104,11 @@ class SGD(FusedOptimizer):
     algorithm = algorithms.SGD
     _apex_table = apex_keywords.SGD
 
-    def __init__(self, params: Any, lr: float = 1e-3, momentum: float = 0.0,
+    def __init__(self, params: ParamsT, lr: float = 1e-3, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
                  max_grad_norm: Optional[float] = None, master_weights: bool = True,
-                 compile: bool = True, process_group: Any = AUTO, state_format: Any = None,
+                 compile: bool = True, process_group: Union[ProcessGroup, str, None] = AUTO,
+                 state_format: Union[StateFormat, str, None] = None,
                  **apex: bool) -> None:
         _check_apex(self, apex)
         if nesterov and (validation.non_negative(momentum, "momentum") <= 0
@@ -130,11 +138,12 @@ class LAMB(FusedOptimizer):
     algorithm = algorithms.LAMB
     _apex_table = apex_keywords.LAMB
 
-    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+    def __init__(self, params: ParamsT, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.01, *, grad_averaging: bool = True,
                  use_nvlamb: bool = False, bias_correction: bool = True,
                  max_grad_norm: Optional[float] = 1.0, master_weights: bool = True,
-                 compile: bool = True, process_group: Any = AUTO, state_format: Any = None,
+                 compile: bool = True, process_group: Union[ProcessGroup, str, None] = AUTO,
+                 state_format: Union[StateFormat, str, None] = None,
                  **apex: bool) -> None:
         _check_apex(self, apex)
         defaults = dict(lr=lr, betas=_tuple(betas), eps=eps, weight_decay=weight_decay,

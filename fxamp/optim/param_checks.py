@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
+from torch.optim.optimizer import ParamsT
 
 from fxamp import validation
 from fxamp.errors import ConfigError
@@ -19,7 +20,7 @@ __all__ = ["as_param_list", "check_new_group", "check_added_group", "check_hyper
 _NON_NEGATIVE = ("lr", "eps", "weight_decay", "momentum", "dampening")
 
 
-def as_param_list(params: Any, owner: str) -> Any:
+def as_param_list(params: ParamsT, owner: str) -> list:
     """`params` as a list (it may be a generator), refusing an empty one as torch.optim does."""
     if isinstance(params, torch.Tensor):
         return [params]

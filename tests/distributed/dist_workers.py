@@ -96,7 +96,7 @@ def summary(model, opt, scaler, skipped, norms):
                 masters=torch.cat(masters) if masters else None, moments=torch.cat(moments),
                 extra=torch.cat(extra) if extra else None, decoded=decoded_moments(opt),
                 dtype=next(model.parameters()).dtype, scale=scaler.get_scale(),
-                skipped=skipped, norms=norms, step=opt._step_count.item())
+                skipped=skipped, norms=norms, step=opt.step_counts.item())
 
 
 def decoded_moments(opt):

@@ -54,8 +54,8 @@ def train(model, opt, steps, scaler=None, bad_steps=(), bad_value=float("inf"), 
 
 def snapshot(opt):
     """Every tensor a step may write: weights, masters, model params, states, step, scale."""
-    tensors = [opt._step_count]
-    for bucket, held in zip(opt.buckets, opt._bucket_states):
+    tensors = [opt.step_counts]
+    for bucket, held in zip(opt.buckets, opt.bucket_states):
         tensors += [bucket.param, *(t for bufs in held.states for t in bufs)]
         if bucket.master is not None:
             tensors.append(bucket.master)

@@ -166,3 +166,33 @@ def test_a_parameter_unfrozen_inside_its_group_is_refused_not_ignored():
                  "add_param_group"]:
         assert word in str(e.value)
     assert bit_identical(snapshot(opt), before)
+
+
+LAYOUTS = {  # LAMB keeps per-bucket constants (chunk owners); low_memory int8 moments and a
+    # bf16 master correction, stochastically rounded by bucket index
+    "lamb": (torch.float32, lambda ps: fo.LAMB(ps, lr=1e-2, weight_decay=0.1, compile=False)),
+    "adamw_low_memory": (torch.bfloat16, lambda ps: fo.AdamW(ps, lr=1e-2, compile=False,
+                                                             state_format="low_memory")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_an_added_group_is_laid_out_as_the_constructor_lays_it_out(name):
+    """One layout (DeviceState.add_groups) for both paths: the head added after construction
+    gets the buckets, states, per-bucket constants, hyperparameter row and step count it gets
+    when the constructor is given it, and the two optimizers then step bit-identically."""
+    dtype, make = LAYOUTS[name]
+    built, added = make_mlp(dtype), make_mlp(dtype)
+    opt = make([{"params": built[0].parameters()}, {"params": built[2].parameters(), "lr": 5e-3}])
+    later = make(added[0].parameters())
+    later.add_param_group({"params": added[2].parameters(), "lr": 5e-3})
+    assert bit_identical(snapshot(later), snapshot(opt))
+    assert torch.equal(later._device_state.hyper, opt._device_state.hyper)
+    for a, b in zip(later._device_state.slots, opt._device_state.slots, strict=True):
+        assert a.bucket.offsets == b.bucket.offsets and a.state.master == b.state.master
+        assert len(a.aux) == len(b.aux) and all(
+            torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+            for x, y in zip(a.aux, b.aux))
+    train(built, opt, 3)
+    train(added, later, 3)
+    assert bit_identical(snapshot(later), snapshot(opt))

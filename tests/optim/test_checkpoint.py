@@ -54,7 +54,7 @@ def test_torch_adamw_state_loads_into_fxamp_and_back():
     ours.load_state_dict(ref.state_dict())
     opt = fo.AdamW(ours.parameters(), compile=False)
     opt.load_state_dict(_roundtrip(ref_opt.state_dict()))
-    assert opt.param_groups[0]["lr"] == 1e-2 and opt._step_count.item() == K
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.step_counts.item() == K
     back.load_state_dict(ref.state_dict())
     back_opt = torch.optim.AdamW(back.parameters())
     back_opt.load_state_dict(_roundtrip(opt.state_dict()))

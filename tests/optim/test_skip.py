@@ -52,7 +52,7 @@ def test_skipped_first_step_leaves_fresh_state():
     scaler = fo.LossScaler()
     before = snapshot(opt)
     _bad_step(model, opt, scaler, 0, INF)
-    assert bit_identical(snapshot(opt), before) and opt._step_count.item() == 0
+    assert bit_identical(snapshot(opt), before) and opt.step_counts.item() == 0
 
 
 def test_scale_grows_after_the_window_within_min_and_max():

@@ -245,7 +245,7 @@ def test_low_memory_preset_keeps_about_7_bytes_per_parameter():
 
 def _decoded_masters(opt):
     return [codecs.decode_master(s.weights(b), s.master) for b, s in
-            zip(opt.buckets, opt._bucket_states)]
+            zip(opt.buckets, opt.bucket_states)]
 
 
 @pytest.mark.parametrize("fmt", ["low_memory", StateFormat("stochastic", "int8")])
@@ -272,7 +272,7 @@ def test_compiled_step_matches_the_eager_functions(fmt):
         assert (eager - compiled).abs().max() <= 3 * lr * 2 / 127
     if opt.state_format.master == "int8_error":  # opt: the compiled run's
         assert all(s.correction.count_nonzero() > s.correction.numel() // 2
-                   for s in opt._bucket_states)
+                   for s in opt.bucket_states)
 
 
 @pytest.mark.parametrize("fmt", ["low_memory", "compensated"])

@@ -22,7 +22,7 @@ from fxamp.optim.functional import codecs
 from fxamp.optim.functional.scale_rule import ScaleRule, after_step, scale_is_valid
 
 __all__ = ["prologue", "update", "fold_grads", "gather_grads", "unscale_grads", "inverse",
-           "compiled", "eager", "StepFns", "StepState"]
+           "compiled", "eager", "StepFns", "StepState", "BucketArgs"]
 
 Tensor = torch.Tensor
 # Columns the prologue appends to every group's row of scalars.
@@ -87,33 +87,40 @@ def prologue(grads: Sequence[Tensor], state: StepState,
     return torch.cat([coefs, tail], 1)
 
 
-def update(weights: Sequence[tuple[Tensor, ...]], grads: Sequence[Tensor],
-           states: Sequence[Sequence[tuple[Tensor, ...]]], models: Sequence[Optional[Tensor]],
-           coefs: Tensor, groups: Sequence[int], aux: Sequence[tuple], *,
-           update_fn: Callable, masters: Sequence[str], unsigned: Sequence[bool],
-           stochastic: Sequence[bool] = (), seed: int = 0) -> None:
+class BucketArgs(NamedTuple):
+    """What `update` reads and writes of one bucket."""
+
+    weights: tuple[Tensor, ...]  # the master or parameters (and a 16-bit master's correction)
+    grad: Tensor
+    states: tuple[tuple[Tensor, ...], ...]  # per state, one buffer or int8 codes and scales
+    model: Optional[Tensor]  # the parameters, written from a separate master; else None
+    group: int  # the param group: its row of the prologue's scalars
+    aux: tuple  # the rule's constants for this bucket (Algorithm.aux)
+    master: str  # the weights' kind (codecs.decode_master)
+
+
+def update(buckets: Sequence[BucketArgs], coefs: Tensor, *, update_fn: Callable,
+           unsigned: Sequence[bool], stochastic: Sequence[bool] = (), seed: int = 0) -> None:
     """One elementwise pass per bucket: decode the weights and states, unscale and clip the
     gradient, apply the rule, encode, select the old values when skipping, write the weights,
     the states and the model copy.
 
-    `weights[i]` is the bucket's weight buffers (the master or parameters, and a correction
-    for a 16-bit master, Note [16-bit masters] in docs/design.md) and `masters[i]` their kind;
+    A bucket's weights are decoded by its master kind (Note [16-bit masters] in docs/design.md);
     each state is a tuple of buffers (one, or int8 codes and scales, Note [8-bit moments]);
     `unsigned[k]` says whether state k is non-negative, `stochastic[k]` whether it is rounded
     stochastically (Note [Rounding compact moments stochastically] in docs/design.md).
     """
-    for i, (w, g, st, model, gi, ax) in enumerate(zip(weights, grads, states, models, groups,
-                                                      aux)):
+    for i, (w, g, st, model, gi, ax, master) in enumerate(buckets):
         c = coefs[gi]
         skip = c[SKIP] != 0
-        new_w, new_st = update_fn(codecs.decode_master(w, masters[i]),
+        new_w, new_st = update_fn(codecs.decode_master(w, master),
                                   g.float() * c[GRAD_SCALE],
                                   tuple(codecs.decode_state(s, u) for s, u in zip(st, unsigned)),
                                   c, *ax)
         bits = None
-        if masters[i] == "stochastic":
+        if master == "stochastic":
             bits = codecs.random_bits(w[0].numel(), seed, c[STEP], codecs.master_stream(i))
-        _write(w, codecs.encode_master(new_w, w, masters[i], bits), skip)
+        _write(w, codecs.encode_master(new_w, w, master, bits), skip)
         for k, (s, new, u) in enumerate(zip(st, new_st, unsigned)):
             bits = None
             if k < len(stochastic) and stochastic[k]:

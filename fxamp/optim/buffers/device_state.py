@@ -1,0 +1,145 @@
+"""A fused optimizer's buffers and device state: one `BucketSlot` per bucket, and the per-group
+hyperparameter rows and step counts.
+
+`DeviceState.add_groups` lays out every param group, at construction and for each group
+`add_param_group` adds later: its buckets (flat.py) get zeroed states (state_buffers.py) and the
+rule's per-bucket constants, its hyperparameters a row of `hyper`, its step count an entry of
+`step_count` starting at 0, as torch.optim's per-parameter steps (and Apex FusedAdam's
+per-group one) do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+
+from fxamp.optim.buffers import state_buffers
+from fxamp.optim.buffers.bucket import Bucket
+from fxamp.optim.buffers.flat import flatten_group
+from fxamp.optim.buffers.state_format import StateFormat
+from fxamp.optim.functional.algorithms import Algorithm
+from fxamp.optim.functional.fused_step import BucketArgs
+
+__all__ = ["BucketSlot", "DeviceState"]
+
+
+@dataclasses.dataclass
+class BucketSlot:
+    """One bucket and what the step keeps for it.
+
+    Attributes:
+        bucket: the flat buffers of one (param group, dtype).
+        state: its optimizer states (and master kind, correction).
+        aux: the rule's constants for it (`Algorithm.aux`: LAMB's chunk owners).
+    """
+
+    bucket: Bucket
+    state: state_buffers.BucketState
+    aux: tuple
+
+    def update_args(self, grad: torch.Tensor) -> BucketArgs:
+        """What `fused_step.update` reads and writes of this bucket, stepping by `grad`."""
+        b = self.bucket
+        return BucketArgs(self.state.weights(b), grad, self.state.states,
+                          None if b.master is None else b.param, b.group_index, self.aux,
+                          self.state.master)
+
+
+def _hyper_tensor(rows: list[tuple], device: torch.device) -> torch.Tensor:
+    """The [groups, columns] float64 hyperparameter tensor of the given rows."""
+    return torch.tensor([[float(v) for v in row] for row in rows],
+                        dtype=torch.float64).to(device)
+
+
+class DeviceState:
+    """The buckets of an optimizer, in param-group order, and its per-group device tensors.
+
+    Attributes:
+        device: where every buffer lives.
+        fmt: how masters and moments are stored.
+        slots: one BucketSlot per bucket.
+        hyper: [groups, columns] float64 hyperparameters (`Algorithm.hyper_row`).
+        step_count: [groups] fp32 step counts.
+    """
+
+    def __init__(self, device: torch.device, fmt: StateFormat, *, fp32_masters: bool) -> None:
+        self.device, self.fmt, self.fp32_masters = device, fmt, fp32_masters
+        self.slots: list[BucketSlot] = []
+        self.hyper: Optional[torch.Tensor] = None
+        self.step_count: Optional[torch.Tensor] = None
+        self._hyper_seen: list[tuple] = []  # the rows as last sent to the device
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [s.bucket for s in self.slots]
+
+    @property
+    def sharded(self) -> tuple[bool, ...]:
+        """Per bucket, whether it holds DTensor shards."""
+        return tuple(s.bucket.sharded for s in self.slots)
+
+    def add_groups(self, param_groups: Sequence[dict], first: int, algorithm: Algorithm,
+                   buckets: Optional[Sequence[Bucket]] = None) -> list[Bucket]:
+        """Lay out param groups `first`... (checked already): `buckets`, or their flattening,
+        join with zeroed states; gradients being folded, their fp32 sums start at zero too."""
+        groups = param_groups[first:]
+        if buckets is None:
+            buckets = [b for gi, g in enumerate(groups, first)
+                       for b in flatten_group(gi, g, master_weights=self.fp32_masters)]
+        rows = [algorithm.hyper_row(g) for g in groups]
+        self._hyper_seen.extend(rows)
+        new_hyper = _hyper_tensor(rows, self.device)
+        new_steps = torch.zeros(len(rows), dtype=torch.float32, device=self.device)
+        self.hyper = new_hyper if self.hyper is None else torch.cat([self.hyper, new_hyper])
+        self.step_count = (new_steps if self.step_count is None
+                           else torch.cat([self.step_count, new_steps]))
+        folding = any(s.bucket.acc is not None for s in self.slots)
+        states = state_buffers.allocate(buckets, self.fmt, algorithm, param_groups)
+        for bucket, state in zip(buckets, states):
+            if folding:
+                bucket.acc = torch.zeros(bucket.grad.shape, dtype=torch.float32,
+                                         device=self.device)
+            self.slots.append(BucketSlot(bucket, state, algorithm.aux(bucket)))
+        return list(buckets)
+
+    def set_algorithm(self, algorithm: Algorithm) -> None:
+        for slot in self.slots:
+            slot.aux = algorithm.aux(slot.bucket)
+
+    def sync_hyper(self, param_groups: Sequence[dict], algorithm: Algorithm) -> None:
+        """Send the changed hyperparameters to the device, each as a fill (never a blocking
+        copy); tensor values (torch's tensor lr) are copied every step, device to device."""
+        for gi, group in enumerate(param_groups):
+            row, seen = algorithm.hyper_row(group), self._hyper_seen[gi]
+            if all(type(a) is type(b) is float and a == b for a, b in zip(row, seen)):
+                continue
+            for k, (value, old) in enumerate(zip(row, seen)):
+                if isinstance(value, torch.Tensor):
+                    self.hyper[gi, k].copy_(value, non_blocking=True)
+                elif type(old) is not float or value != old:
+                    self.hyper[gi, k].fill_(value)
+            self._hyper_seen[gi] = row
+
+    def flat_params(self) -> list[torch.Tensor]:
+        return [p for s in self.slots for p in s.bucket.params]
+
+    def sync_from_params(self) -> None:
+        for slot in self.slots:
+            slot.bucket.sync_from_params()
+
+    def grads(self) -> list[torch.Tensor]:
+        return [s.bucket.grad for s in self.slots]
+
+    def accs(self) -> list[Optional[torch.Tensor]]:
+        return [s.bucket.acc for s in self.slots]
+
+    def fold_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The raw gradients and their fp32 sums (allocated on first use), synced."""
+        for slot in self.slots:
+            b = slot.bucket
+            if b.acc is None:
+                b.acc = torch.zeros(b.grad.shape, dtype=torch.float32, device=self.device)
+            b.sync_from_params()
+        return self.grads(), self.accs()
