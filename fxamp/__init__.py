@@ -1,7 +1,8 @@
 """fxamp: Apex-style automatic mixed precision for PyTorch 2, as FX graph passes."""
 
 from fxamp.backend import FxampBackend, backend
-from fxamp.model.prepare import backend_of, compile, config_of
+from fxamp.model.entry import compile
+from fxamp.model.prepare import backend_of, config_of
 from fxamp.config import AmpConfig
 from fxamp.float8 import Float8Config
 from fxamp.errors import BannedOpError, ConfigError, EagerRegionWarning, FxampError

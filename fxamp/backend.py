@@ -1,4 +1,4 @@
-"""The torch.compile backend that runs fxamp's passes (`fxamp.compile` is in prepare.py)."""
+"""The torch.compile backend that runs fxamp's passes (`fxamp.compile` is in model/entry.py)."""
 
 from __future__ import annotations
 

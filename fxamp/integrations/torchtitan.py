@@ -19,7 +19,7 @@ from torchtitan.protocols.model_converter import register_model_converter
 from fxamp.arguments import check_compiler
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
-from fxamp.model.prepare import compile as fxamp_compile
+from fxamp.model.entry import compile as fxamp_compile
 
 __all__ = ["Fxamp", "FxampConverter", "JobConfig"]
 
