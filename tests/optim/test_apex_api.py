@@ -160,14 +160,14 @@ def test_fp16_optimizer_skips_clips_and_scales():
     opt.backward(loss_of(model, 0))
     assert opt.clip_master_grads(1.0) > 0
     opt.step()
-    before = [p.clone() for p in model.parameters()] + [m.clone() for m in opt._masters]
+    before = [p.clone() for p in model.parameters()] + [s.master.clone() for s in opt._slots]
     opt.zero_grad()
     opt.backward(loss_of(model, 1), update_master_grads=False)
     model[0].weight.grad[0, 0] = float("inf")
     assert opt.clip_master_grads(1.0) == -1
     opt.step()
     assert opt.overflow and opt.loss_scale == 2.0**15
-    assert bit_identical(list(model.parameters()) + opt._masters, before)
+    assert bit_identical(list(model.parameters()) + [s.master for s in opt._slots], before)
     assert len(list(fo.master_params(opt))) == 4
     opt.loss_scale = 64.0
     assert opt.loss_scaler.get_scale() == 64.0

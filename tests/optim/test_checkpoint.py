@@ -94,7 +94,7 @@ def test_fp16_optimizer_resume_is_bit_exact():
 
     model, opt = build()
     run(model, opt, 0, STEPS)
-    expected = [p.clone() for p in model.parameters()] + [m.clone() for m in opt._masters]
+    expected = [p.clone() for p in model.parameters()] + [s.master.clone() for s in opt._slots]
     model, opt = build()
     run(model, opt, 0, K)
     ckpt = _roundtrip({"model": model.state_dict(), "opt": opt.state_dict()})
@@ -102,7 +102,7 @@ def test_fp16_optimizer_resume_is_bit_exact():
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     run(model, opt, K, STEPS - K)
-    assert bit_identical(list(model.parameters()) + opt._masters, expected)
+    assert bit_identical(list(model.parameters()) + [s.master for s in opt._slots], expected)
 
 
 def test_mismatched_state_dict_is_refused():

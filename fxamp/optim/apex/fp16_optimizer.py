@@ -10,7 +10,7 @@ the device; any other one is skipped after one host read per step, as in Apex.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -19,13 +19,21 @@ from fxamp.optim.scaling import exits
 from fxamp.optim.functional import fused_step
 from fxamp.optim.scaling import scaled_graphs
 from fxamp.optim.distributed import is_dtensor
-from fxamp.optim.buffers.flat import flatten_param_groups
+from fxamp.optim.buffers.flat import FlatBucket, flatten_param_groups
 from fxamp.optim.scaling.folding import GradientFolding
 from fxamp.optim.scaling.loss_scaler import LossScaler
 
 __all__ = ["FP16_Optimizer"]
 
 log = logging.getLogger(__name__)
+
+
+class MasterSlot(NamedTuple):
+    """One flat bucket of the model's 16-bit parameters and the fp32 master Parameter the
+    wrapped optimizer steps over it (sharing `bucket.weights`' storage)."""
+
+    bucket: FlatBucket
+    master: torch.nn.Parameter
 
 
 class FP16_Optimizer:
@@ -54,13 +62,12 @@ class FP16_Optimizer:
                               "use fxamp.optim.AdamW, Adam or SGD, which step their local shards")
         self.optimizer = init_optimizer
         scaler = _make_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args, compile)
-        self._buckets = flatten_param_groups(init_optimizer.param_groups, master_weights=True,
-                                             owner="FP16_Optimizer")
-        self._masters = [self._master_param(b) for b in self._buckets]
+        buckets = flatten_param_groups(init_optimizer.param_groups, master_weights=True,
+                                       owner="FP16_Optimizer")
+        self._slots = [MasterSlot(b, self._master_param(b)) for b in buckets]
         for gi, group in enumerate(init_optimizer.param_groups):
-            group["params"] = [m for b, m in zip(self._buckets, self._masters)
-                               if b.group_index == gi]
-        device = self._masters[0].device if self._masters else torch.device("cpu")
+            group["params"] = [s.master for s in self._slots if s.bucket.group_index == gi]
+        device = self._slots[0].master.device if self._slots else torch.device("cpu")
         self.found_inf = torch.zeros((), dtype=torch.bool, device=device)
         """Whether the last step was skipped, as a 0-dim device tensor."""
         fns = fused_step.compiled() if compile else fused_step.eager
@@ -68,7 +75,7 @@ class FP16_Optimizer:
         """Which scale the gradients carry and what was folded (folding.py)."""
         self.folding.set_loss_scalers([scaler], "FP16_Optimizer")
         (log.info if verbose else log.debug)(
-            "FP16_Optimizer: %d flat masters over %d groups", len(self._masters),
+            "FP16_Optimizer: %d flat masters over %d groups", len(self._slots),
             len(init_optimizer.param_groups))
 
     @staticmethod
@@ -105,7 +112,7 @@ class FP16_Optimizer:
         wait in, and fold them if they carry another scaler's scale."""
         exits.resolve_exit_of(self)
         scaled_graphs.release_dropped(
-            self, lambda: [p for b in self._buckets for p in b.params])
+            self, lambda: [p for s in self._slots for p in s.bucket.params])
         if self.folding.unscaled is not None or self.folding.carries_other(scaler):
             self.update_master_grads()
 
@@ -127,9 +134,9 @@ class FP16_Optimizer:
         """Nothing to agree on: FP16_Optimizer steps one process's parameters."""
 
     def _fold_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        for bucket in self._buckets:
-            bucket.sync_from_params()
-        return [b.grad for b in self._buckets], [m.grad for m in self._masters]
+        for slot in self._slots:
+            slot.bucket.sync_from_params()
+        return [s.bucket.grad for s in self._slots], [s.master.grad for s in self._slots]
 
     # ---------------------------------------------------------------------------------- step
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> float:
@@ -138,7 +145,8 @@ class FP16_Optimizer:
         self.update_master_grads()
         if self.overflow:
             return -1.0
-        return float(torch.nn.utils.clip_grad_norm_(self._masters, max_norm, norm_type))
+        return float(torch.nn.utils.clip_grad_norm_([s.master for s in self._slots], max_norm,
+                                                   norm_type))
 
     @property
     def overflow(self) -> bool:
@@ -163,12 +171,12 @@ class FP16_Optimizer:
         self.update_master_grads()
         self._refresh_overflow()
         with torch.no_grad():
-            for bucket in self._buckets:
-                bucket.sync_from_params()
+            for slot in self._slots:
+                slot.bucket.sync_from_params()
             self._step_inner()
-            for bucket in self._buckets:
-                if bucket.master is not None:
-                    bucket.param.copy_(bucket.master)
+            for slot in self._slots:
+                if slot.bucket.master is not None:
+                    slot.bucket.param.copy_(slot.bucket.master)
         self.folding.finish_step()
         return loss
 
@@ -185,7 +193,7 @@ class FP16_Optimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the model's and the masters' gradients (in place: they are flat buffers)."""
         exits.resolve_exit_of(self)  # it still moves the scale (Note [Apex's scale_loss exits])
-        for bucket, master in zip(self._buckets, self._masters):
+        for bucket, master in self._slots:
             bucket.zero_grad()
             master.grad.zero_()
         self.folding.raw_scaler = None
@@ -230,7 +238,7 @@ class FP16_Optimizer:
     def master_params(self) -> list[torch.Tensor]:
         """Per-parameter fp32 views of the masters, with `.grad` views of the master grads."""
         out = []
-        for bucket, master in zip(self._buckets, self._masters):
+        for bucket, master in self._slots:
             for view, grad in zip(bucket.views(master.data), bucket.views(master.grad)):
                 view.grad = grad
                 out.append(view)
@@ -241,14 +249,13 @@ class FP16_Optimizer:
         return {"loss_scaler": self.loss_scaler.state_dict(),
                 "dynamic_loss_scale": self.loss_scaler.dynamic,
                 "optimizer_state_dict": self.optimizer.state_dict(),
-                "fp32_masters": [m.detach() for m in self._masters]}
+                "fp32_masters": [s.master.detach() for s in self._slots]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         with torch.no_grad():
-            for bucket, master, saved in zip(self._buckets, self._masters,
-                                             state_dict["fp32_masters"]):
+            for (bucket, master), saved in zip(self._slots, state_dict["fp32_masters"]):
                 master.copy_(saved)
                 if bucket.master is not None:
                     bucket.param.copy_(bucket.master)
