@@ -18,7 +18,7 @@ from fxamp.model.double_backward import eager_autograd, first_order_only
 from fxamp.model.eager_regions import without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
-from fxamp.float8.delayed import Float8History, history_of
+from fxamp.float8.delayed import history_of
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.provenance import place_in_model
@@ -101,8 +101,9 @@ class FxampBackend:
         # fxamp.model.recompile.recompile can prepare it again alike.
         self.settings: Any = None
         # Note [Graphs that hold a model's state]: the Float8History of the model, for delayed
-        # float8 (set by prepare.compile_module before the model is compiled); None otherwise.
-        self.owner: Optional[Float8History] = None
+        # float8 (set by prepare.compile_module before the model is compiled; a token of its
+        # own for a copy, whose history comes with its state); None otherwise.
+        self.owner: Optional[object] = None
 
     def for_module(self, path: str, module_type: type) -> "FxampBackend":
         """A backend for the forward of the submodule at `path`, recording its graphs with
@@ -171,7 +172,8 @@ class FxampBackend:
 # parameters as inputs). A delayed-float8 graph also holds its model's amax-history buffers: a
 # second model (or a copy) reusing it would read and push the first one's histories. So a
 # backend whose model keeps histories equals only a backend of the same histories (`owner`,
-# compared by identity: a new model never matches a collected one's graphs).
+# compared by identity: a new model never matches a collected one's graphs; a copy, whose
+# histories arrive with its state after its backend is made, owns a token of its own).
 
 
 # Note [Graphs whose backward runs twice]: AOTAutograd marks a saved activation that aliases no

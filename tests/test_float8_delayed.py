@@ -280,11 +280,15 @@ def test_models_of_one_class_keep_their_own_histories():
     first = _compiled(Split())
     _train(first, torch.optim.SGD(first.parameters(), lr=0.01), _batches(1, seed=7))
     kept = _histories(first)
-    second, ema = _compiled(Split()), copy.deepcopy(first)
-    for other in (second, ema):
+    # two copies of two models (each copy's histories come with its state, after it is built)
+    second = _compiled(Split())
+    copies = [copy.deepcopy(first), copy.deepcopy(second)]
+    for other in (second, *copies):
+        before = _histories(other)
         _train(other, torch.optim.SGD(other.parameters(), lr=0.01), _batches(2, seed=8))
         assert sorted(_histories(other)) == sorted(kept)
-        assert all(h.any() for h in _histories(other).values())
+        assert all(h.any() and (k not in before or not torch.equal(h, before[k]))
+                   for k, h in _histories(other).items())  # its own histories were pushed
         assert len(fxamp.backend_of(other).compiled_graphs) == 2
     assert all(torch.equal(v, kept[k]) for k, v in _histories(first).items())
 

@@ -201,7 +201,11 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     history_hook = attach_history(model, fxamp_backend.config.float8) if initialised else None
     if history_hook is not None:
         undo.callback(detach_history, model, history_hook)
-    fxamp_backend.owner = history_of(model)  # Note [Graphs that hold a model's state]
+    # Note [Graphs that hold a model's state]; a copy gets its histories with its state, after
+    # this: a token of its own until then (its graphs read them at their first trace).
+    delayed = fxamp_backend.config.float8 is not None and fxamp_backend.config.float8.scaling \
+        == "delayed"
+    fxamp_backend.owner = history_of(model) or (object() if delayed else None)
     forward = boundary_forward(model, fxamp_backend.config)
     # A model whose graphs hold its state compiles them in a Dynamo cache region of its own,
     # so that other models' graphs count against no recompile limit of its frames.
