@@ -346,15 +346,13 @@ def test_a_meta_device_model_needs_its_compute_device(level):
     config = AmpConfig.from_opt_level(level).resolve("cpu")
     fxamp.compile(model, config=config, compiler="aot_eager")
     model.to_empty(device="cpu")
-    torch.manual_seed(0)
     for module in model:
         module.reset_parameters()
-    torch.manual_seed(0)
-    ref = _meta_model().to_empty(device="cpu")
-    for module in ref:
-        module.reset_parameters()
-    x = torch.randn(8, 4)
     want = {"O1": torch.float32, "O2": torch.bfloat16}[level]
     assert {p.dtype for p in model.parameters()} == {want}
+    # the eager fp32 model with the same (materialised, initialised) weights
+    ref = _meta_model().to_empty(device="cpu")
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    x = torch.randn(8, 4)
     # bf16 rounding of a 4-wide Linear and LayerNorm
     torch.testing.assert_close(model(x).float(), ref(x), rtol=0, atol=0.05)
