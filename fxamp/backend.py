@@ -18,7 +18,7 @@ from fxamp.model.double_backward import eager_autograd, first_order_only
 from fxamp.model.eager_regions import without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
-from fxamp.float8.delayed import history_of
+from fxamp.float8.delayed import history_of, is_delayed
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.provenance import place_in_model
@@ -113,7 +113,7 @@ class FxampBackend:
         return unit
 
     def _float8_history(self, config: AmpConfig):
-        if config.float8 is None or config.float8.scaling != "delayed":
+        if not is_delayed(config.float8):
             return None
         history = history_of(self.model)
         if history is None:

@@ -118,10 +118,15 @@ def _legacy_refusal(keys: list[str]) -> str:
             "from the next steps' amaxes (docs/float8.md, \"Delayed scaling\")")
 
 
+def is_delayed(f8: Optional[Float8Config]) -> bool:
+    """Whether `f8` asks for delayed scaling (the model then keeps amax histories)."""
+    return f8 is not None and f8.scaling == "delayed"
+
+
 def attach_history(model: torch.nn.Module, f8: Optional[Float8Config]):
     """Give `model` its Float8History for delayed scaling; returns the hook handle to remove
     (with the history) when the model is un-prepared, or None when nothing was attached."""
-    if f8 is None or f8.scaling != "delayed" or history_of(model) is not None:
+    if not is_delayed(f8) or history_of(model) is not None:
         return None
     tensors = [*model.parameters(), *model.buffers()]
     device = tensors[0].device if tensors else torch.device("cpu")

@@ -27,7 +27,7 @@ from fxamp.model.copies import forget_copyable, make_copyable
 from fxamp.model.eager_regions import untraced_modules, warn_untraced, with_policy_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
-from fxamp.float8.delayed import attach_history, detach_history, history_of
+from fxamp.float8.delayed import attach_history, detach_history, history_of, is_delayed
 from fxamp.policy.rules import check_module_overrides
 from fxamp.model.sharded_modules import (check_copyable, check_sharded, compile_sharded_modules,
                                    modules_to_compile)
@@ -203,9 +203,8 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
         undo.callback(detach_history, model, history_hook)
     # Note [Graphs that hold a model's state]; a copy gets its histories with its state, after
     # this: a token of its own until then (its graphs read them at their first trace).
-    delayed = fxamp_backend.config.float8 is not None and fxamp_backend.config.float8.scaling \
-        == "delayed"
-    fxamp_backend.owner = history_of(model) or (object() if delayed else None)
+    fxamp_backend.owner = history_of(model) or (
+        object() if is_delayed(fxamp_backend.config.float8) else None)
     forward = boundary_forward(model, fxamp_backend.config)
     # A model whose graphs hold its state compiles them in a Dynamo cache region of its own,
     # so that other models' graphs count against no recompile limit of its frames.

@@ -21,6 +21,7 @@ import torch
 from fxamp import _compat
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
+from fxamp.float8.delayed import is_delayed
 
 __all__ = ["compile_sharded_modules", "modules_to_compile", "check_sharded",
            "check_not_sharded_since", "sharded_paths", "check_copyable"]
@@ -71,7 +72,7 @@ def check_sharded(targets: list[tuple[str, torch.nn.Module]], config: AmpConfig)
     histories are buffers of the model that each rank would fill from its own inputs while a
     checkpoint keeps one rank's."""
     f8 = config.float8
-    if f8 is None or f8.scaling != "delayed" or not targets:
+    if not is_delayed(f8) or not targets:
         return
     raise ConfigError(
         "float8 scaling='delayed' under FSDP2: each rank would update the amax histories "
