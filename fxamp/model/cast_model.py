@@ -20,7 +20,7 @@ from fxamp.policy import LOW_DTYPES, CastPolicy
 from fxamp.provenance import boundary_casts
 from fxamp.policy.rules import match_module_override
 
-__all__ = ["cast_model", "storage_dtype", "boundary_forward", "CastRecord"]
+__all__ = ["cast_model", "storage_dtype", "boundary_forward", "cast_module_inputs", "CastRecord"]
 
 _BATCH_NORM = _compat.NORM_MODULE_TYPES
 
@@ -63,8 +63,10 @@ def _cast_floats(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...
     return value
 
 
-def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[..., Any]:
-    """`model`'s call with Apex's model-boundary casts, as one function for torch.compile.
+def boundary_forward(model: torch.nn.Module, config: AmpConfig,
+                     method: Optional[str] = None) -> Callable[..., Any]:
+    """`model`'s call (or its `method`: Note [Methods compiled with the model]) with Apex's
+    model-boundary casts, as one function for torch.compile.
 
     Note [Model-boundary casts]: at O0/O2/O3 the weights change dtype before Dynamo traces the
     model, so an fp32 input would meet bf16 weights inside Dynamo's own tracing, before any
@@ -73,15 +75,24 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[...,
     a function that calls the module, Dynamo traces the casts into the model's graph (module
     hooks on the top-level module would each become a graph of their own).
     """
-    in_dtype, out_dtype = config.model_dtype, config.output_dtype
-    in_sources = tuple(d for d in (torch.float32, *LOW_DTYPES) if d != in_dtype)
+    # A method's arguments are not the model's inputs (a batch holds targets too): its modules
+    # cast what they get (cast_module_inputs).
+    in_dtype = config.model_dtype if method is None else None
+    out_dtype = config.output_dtype
+    in_sources = _sources(in_dtype)
     out_sources = tuple(d for d in LOW_DTYPES if d != out_dtype)
+    suffix = f"{type(model).__name__}_{id(model):x}"
+    # The method's own code copied too: a graph break inside it makes it a frame of its own.
+    function = None if method is None else _own_code(getattr(type(model), method), suffix)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if in_dtype is not None:
             with boundary_casts():  # Note [Boundary casts are tagged when traced]
                 args, kwargs = _cast_floats((args, kwargs), in_dtype, in_sources)
-        output = _compat.call_impl(model, *args, **kwargs)
+        if function is None:
+            output = _compat.call_impl(model, *args, **kwargs)
+        else:
+            output = function(model, *args, **kwargs)
         if out_dtype is None:
             return output
         with boundary_casts():
@@ -93,9 +104,49 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[...,
     # to eager fp32. A copy of the code object gives each model its own cache; its own name
     # keeps Dynamo's automatic-dynamic memory (keyed by name and place) per model too, so one
     # model seeing several batch sizes does not make the next one compile with dynamic shapes.
-    name = f"forward_{type(model).__name__}_{id(model):x}"
-    return types.FunctionType(forward.__code__.replace(co_name=name), forward.__globals__, name,
-                              forward.__defaults__, forward.__closure__)
+    return _own_code(forward, suffix, f"{method or 'forward'}_{suffix}")
+
+
+def _own_code(function: Callable[..., Any], suffix: str,
+              name: Optional[str] = None) -> Callable[..., Any]:
+    """`function` with a code object of its own, named `name` (its name and `suffix`)."""
+    name = name or f"{function.__name__}_{suffix}"
+    own = types.FunctionType(function.__code__.replace(co_name=name), function.__globals__,
+                             name, function.__defaults__, function.__closure__)
+    own.__kwdefaults__ = function.__kwdefaults__
+    return own
+
+
+def _sources(dtype: Optional[torch.dtype]) -> tuple[torch.dtype, ...]:
+    return tuple(d for d in (torch.float32, *LOW_DTYPES) if d != dtype)
+
+
+class _InputCast:
+    """A forward pre-hook: floating inputs to `dtype`, inside fxamp's graphs only (a class, so
+    that copies of the module copy it)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype, self.sources = dtype, _sources(dtype)
+
+    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        if not torch.compiler.is_compiling():  # eager calls see the weights as stored
+            return None
+        with boundary_casts():
+            return _cast_floats((args, kwargs), self.dtype, self.sources)
+
+
+def cast_module_inputs(model: torch.nn.Module, config: AmpConfig) -> list[Any]:
+    """Give every module of `model` whose own weights are stored in a 16-bit dtype a pre-hook
+    that casts its floating inputs to that dtype when fxamp's graphs trace it (Note [Methods
+    compiled with the model]); returns the hooks' handles."""
+    handles = []
+    for name, module in model.named_modules():
+        dtype = storage_dtype(name, module, config)
+        own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
+        if dtype in LOW_DTYPES and any(p.dtype == dtype for p in own):
+            handles.append(module.register_forward_pre_hook(_InputCast(dtype),
+                                                            with_kwargs=True))
+    return handles
 
 
 @dataclasses.dataclass
