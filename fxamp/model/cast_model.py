@@ -63,10 +63,11 @@ def _cast_floats(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...
     return value
 
 
-def boundary_forward(model: torch.nn.Module, config: AmpConfig,
-                     method: Optional[str] = None) -> Callable[..., Any]:
+def boundary_forward(model: torch.nn.Module, config: AmpConfig, method: Optional[str] = None,
+                     *, cast_inputs: bool = True) -> Callable[..., Any]:
     """`model`'s call (or its `method`: Note [Methods compiled with the model]) with Apex's
-    model-boundary casts, as one function for torch.compile.
+    model-boundary casts, as one function for torch.compile; without `cast_inputs`, its modules
+    cast their own inputs (`cast_module_inputs`).
 
     Note [Model-boundary casts]: at O0/O2/O3 the weights change dtype before Dynamo traces the
     model, so an fp32 input would meet bf16 weights inside Dynamo's own tracing, before any
@@ -75,9 +76,7 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig,
     a function that calls the module, Dynamo traces the casts into the model's graph (module
     hooks on the top-level module would each become a graph of their own).
     """
-    # A method's arguments are not the model's inputs (a batch holds targets too): its modules
-    # cast what they get (cast_module_inputs).
-    in_dtype = config.model_dtype if method is None else None
+    in_dtype = config.model_dtype if cast_inputs else None
     out_dtype = config.output_dtype
     in_sources = _sources(in_dtype)
     out_sources = tuple(d for d in LOW_DTYPES if d != out_dtype)
@@ -122,28 +121,28 @@ def _sources(dtype: Optional[torch.dtype]) -> tuple[torch.dtype, ...]:
 
 
 class _InputCast:
-    """A forward pre-hook: floating inputs to `dtype`, inside fxamp's graphs only (a class, so
-    that copies of the module copy it)."""
+    """A forward pre-hook: floating inputs to `dtype` (a class, so that copies of the module
+    copy it)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype, self.sources = dtype, _sources(dtype)
 
     def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        if not torch.compiler.is_compiling():  # eager calls see the weights as stored
-            return None
         with boundary_casts():
             return _cast_floats((args, kwargs), self.dtype, self.sources)
 
 
 def cast_module_inputs(model: torch.nn.Module, config: AmpConfig) -> list[Any]:
-    """Give every module of `model` whose own weights are stored in a 16-bit dtype a pre-hook
-    that casts its floating inputs to that dtype when fxamp's graphs trace it (Note [Methods
-    compiled with the model]); returns the hooks' handles."""
+    """Give every module of `model` whose own weights are stored in the model dtype (the low
+    dtype at O2/O3, fp32 at O0; not the modules kept in fp32 at O2) a pre-hook that casts its
+    floating inputs to that dtype (Note [Methods compiled with the model]); returns the hooks'
+    handles."""
     handles = []
     for name, module in model.named_modules():
         dtype = storage_dtype(name, module, config)
         own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
-        if dtype in LOW_DTYPES and any(p.dtype == dtype for p in own):
+        if dtype is not None and dtype == config.model_dtype and any(p.dtype == dtype
+                                                                      for p in own):
             handles.append(module.register_forward_pre_hook(_InputCast(dtype),
                                                             with_kwargs=True))
     return handles

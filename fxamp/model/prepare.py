@@ -229,8 +229,9 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
                       first_call)
 
     def entry(method: Optional[str]) -> CompiledCall:
-        compiled = torch.compile(boundary_forward(model, fxamp_backend.config, method),
-                                 backend=fxamp_backend, dynamic=settings.dynamic,
+        function = boundary_forward(model, fxamp_backend.config, method,
+                                    cast_inputs=not settings.methods)
+        compiled = torch.compile(function, backend=fxamp_backend, dynamic=settings.dynamic,
                                  fullgraph=settings.fullgraph, **isolated)
         return CompiledCall(with_policy_autocast(compiled, fxamp_backend.config,
                                                  recurrent=recurrent), first)
