@@ -29,7 +29,7 @@ from fxamp.errors import ConfigError
 from fxamp.model.prepare import (CompileSettings, backend_of, config_of, prepare,
                                  undo_before_first_call)
 from fxamp.optim.scaling.loss_scaler import LossScaler
-from fxamp.optim.master_check import check_master_weights
+from fxamp.master_weights import check_master_weights
 
 __all__ = ["Precision"]
 
@@ -73,7 +73,6 @@ class Precision(LightningPrecision):
         self._auto_scaler = scaler == _AUTO
         self._pending_state: Optional[dict] = None
         self._compiled_here: Optional["weakref.ref[torch.nn.Module]"] = None
-        self._warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.log_scale = log_scale
         self.precision = _precision_name(self.config)
 
@@ -103,8 +102,7 @@ class Precision(LightningPrecision):
         (bfloat16 ones warn once): Note [16-bit weights need fp32 masters]."""
         try:
             for optimizer in optimizers:
-                check_master_weights(optimizer, "fxamp.integrations.lightning.Precision",
-                                     self._warned)
+                check_master_weights(optimizer, "fxamp.integrations.lightning.Precision")
         except ConfigError:
             # Refused after convert_module cast the weights: the model goes back as it was.
             module = self._compiled_here() if self._compiled_here is not None else None

@@ -20,7 +20,8 @@ from fxamp.policy import LOW_DTYPES, CastPolicy
 from fxamp.provenance import boundary_casts
 from fxamp.policy.rules import match_module_override
 
-__all__ = ["cast_model", "storage_dtype", "boundary_forward", "cast_module_inputs", "CastRecord"]
+__all__ = ["cast_model", "storage_dtype", "boundary_forward", "hook_outer_calls", "OuterCalls",
+           "CastRecord"]
 
 _BATCH_NORM = _compat.NORM_MODULE_TYPES
 
@@ -64,10 +65,10 @@ def _cast_floats(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...
 
 
 def boundary_forward(model: torch.nn.Module, config: AmpConfig, method: Optional[str] = None,
-                     *, cast_inputs: bool = True) -> Callable[..., Any]:
+                     *, casts: bool = True) -> Callable[..., Any]:
     """`model`'s call (or its `method`: Note [Methods compiled with the model]) with Apex's
-    model-boundary casts, as one function for torch.compile; without `cast_inputs`, its modules
-    cast their own inputs (`cast_module_inputs`).
+    model-boundary casts, as one function for torch.compile; without `casts`, the hooks of
+    `OuterCalls` cast at the model's modules instead.
 
     Note [Model-boundary casts]: at O0/O2/O3 the weights change dtype before Dynamo traces the
     model, so an fp32 input would meet bf16 weights inside Dynamo's own tracing, before any
@@ -76,8 +77,8 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig, method: Optional
     a function that calls the module, Dynamo traces the casts into the model's graph (module
     hooks on the top-level module would each become a graph of their own).
     """
-    in_dtype = config.model_dtype if cast_inputs else None
-    out_dtype = config.output_dtype
+    in_dtype = config.model_dtype if casts else None
+    out_dtype = config.output_dtype if casts else None
     in_sources = _sources(in_dtype)
     out_sources = tuple(d for d in LOW_DTYPES if d != out_dtype)
     suffix = f"{type(model).__name__}_{id(model):x}"
@@ -120,31 +121,57 @@ def _sources(dtype: Optional[torch.dtype]) -> tuple[torch.dtype, ...]:
     return tuple(d for d in (torch.float32, *LOW_DTYPES) if d != dtype)
 
 
-class _InputCast:
-    """A forward pre-hook: floating inputs to `dtype` (a class, so that copies of the module
-    copy it)."""
+class OuterCalls:
+    """Forward hooks on every module of a model compiled with methods (Note [Methods compiled
+    with the model]): a module called from outside the model's modules (a step's
+    `self.encoder(x)`, or the model itself) gets Apex's model-boundary casts, floating inputs
+    to the model dtype and outputs to `config.output_dtype`; a call inside a module gets none.
+    A class, so that a copy of the model gets its own (it holds the model: the copy's)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype, self.sources = dtype, _sources(dtype)
+    def __init__(self, model: torch.nn.Module, config: AmpConfig) -> None:
+        self.root, self.depth = model, 0
+        self.root_counted: list[bool] = []  # per call of the root, innermost last
+        self.in_dtype, self.out_dtype = config.model_dtype, config.output_dtype
+        self.in_sources = _sources(self.in_dtype)
+        self.out_sources = tuple(d for d in LOW_DTYPES if d != self.out_dtype)
 
-    def __call__(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+    def enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        if module is self.root:
+            # Lightning's DDP/FSDP redirection calls a step through the model's call, with
+            # the instance's forward set to it: that call is the step's, not a boundary.
+            self.root_counted.append(not _redirected(module))
+            if not self.root_counted[-1]:
+                return None
+        self.depth += 1
+        if self.depth > 1 or self.in_dtype is None:
+            return None
         with boundary_casts():
-            return _cast_floats((args, kwargs), self.dtype, self.sources)
+            return _cast_floats((args, kwargs), self.in_dtype, self.in_sources)
+
+    def leave(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        if module is self.root and not self.root_counted.pop():
+            return None
+        self.depth -= 1
+        if self.depth > 0 or self.out_dtype is None:
+            return None
+        with boundary_casts():
+            return _cast_floats(output, self.out_dtype, self.out_sources)
 
 
-def cast_module_inputs(model: torch.nn.Module, config: AmpConfig) -> list[Any]:
-    """Give every module of `model` whose own weights are stored in the model dtype (the low
-    dtype at O2/O3, fp32 at O0; not the modules kept in fp32 at O2) a pre-hook that casts its
-    floating inputs to that dtype (Note [Methods compiled with the model]); returns the hooks'
-    handles."""
-    handles = []
-    for name, module in model.named_modules():
-        dtype = storage_dtype(name, module, config)
-        own = [p for p in module.parameters(recurse=False) if p.is_floating_point()]
-        if dtype is not None and dtype == config.model_dtype and any(p.dtype == dtype
-                                                                      for p in own):
-            handles.append(module.register_forward_pre_hook(_InputCast(dtype),
-                                                            with_kwargs=True))
+def _redirected(module: torch.nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return forward is not None and getattr(forward, "__func__", None) is not type(module).forward
+
+
+def hook_outer_calls(model: torch.nn.Module, config: AmpConfig) -> list[Any]:
+    """Give every module of `model` the hooks of `OuterCalls` (none at a level that casts no
+    model boundary); returns their handles."""
+    if config.model_dtype is None and config.output_dtype is None:
+        return []
+    calls, handles = OuterCalls(model, config), []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(calls.enter, with_kwargs=True))
+        handles.append(module.register_forward_hook(calls.leave, always_call=True))
     return handles
 
 

@@ -14,7 +14,7 @@ import torch
 
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
-from fxamp.model.cast_model import cast_module_inputs
+from fxamp.model.cast_model import hook_outer_calls
 from fxamp.model.compiled_call import CompiledCall
 
 __all__ = ["check_methods", "compile_methods"]
@@ -23,13 +23,14 @@ __all__ = ["check_methods", "compile_methods"]
 def compile_methods(model: torch.nn.Module, config: AmpConfig, methods: tuple[str, ...],
                     entry: Callable[[str], CompiledCall], undo: contextlib.ExitStack, *,
                     cast: bool) -> None:
-    """Note [Methods compiled with the model]: each method becomes an attribute of the instance
-    that runs it compiled; `cast`: the model's weights were just cast (not a copy being rebuilt,
-    whose modules come with their hooks), so its modules get their input casts."""
+    """Make each of `methods` an attribute of the instance that runs it compiled (`entry`), as
+    Note [Methods compiled with the model] says; `cast`: the model's weights were just cast
+    (not a copy being rebuilt, whose modules come with their hooks), so its modules get the
+    hooks that cast at the model's boundary."""
     if not methods:
         return
     if cast:
-        for handle in cast_module_inputs(model, config):
+        for handle in hook_outer_calls(model, config):
             undo.callback(handle.remove)
     for method in methods:
         before = model.__dict__.get(method)  # none, or the method itself (check_methods)

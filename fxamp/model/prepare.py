@@ -27,6 +27,8 @@ from fxamp.model.copies import forget_copyable, make_copyable
 from fxamp.model.eager_regions import untraced_modules, warn_untraced, with_policy_autocast
 from fxamp.model.methods import check_methods, compile_methods
 from fxamp.errors import ConfigError
+from fxamp.master_weights import guard_master_weights
+from fxamp.policy import LOW_DTYPES
 from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import attach_history, detach_history, history_of, is_delayed
 from fxamp.policy.rules import check_module_overrides
@@ -174,7 +176,8 @@ def prepare(model_or_fn: Callable[..., Any], config: Optional[AmpConfig], *,
         # a prepared copy (Note [Copies keep the compiled call])
         model = copy.deepcopy(model_or_fn)
     backend = settings.backend(resolved)
-    compile_module(model, backend, settings, record=record if in_place else None)
+    compile_module(model, backend, settings, record=record if in_place else None,
+                   guard_masters=in_place)
     if in_place:
         warn_untraced(model, resolved)
     return Prepared(model, backend)
@@ -189,7 +192,8 @@ def _check_no_request(config: Optional[AmpConfig], existing: AmpConfig) -> None:
 
 
 def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
-                   settings: CompileSettings, *, record: Optional[CastRecord] = None) -> None:
+                   settings: CompileSettings, *, record: Optional[CastRecord] = None,
+                   guard_masters: bool = False) -> None:
     """Make every `model(...)` call (and every call of `settings.methods`) run the
     fxamp-compiled graph, boundary casts included.
 
@@ -197,6 +201,8 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     the model's call wrapped in its boundary casts (Note [Model-boundary casts]), at O1 under
     torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
     With the `record` of the cast, a refusal at the first call restores the model.
+    `guard_masters`: the model (prepared in place, or a copy) warns when an optimizer without
+    fp32 masters steps its 16-bit weights (Note [Where fxamp sees an optimizer step]).
     """
     # Note [Un-preparing a refused model]: each change registers its undo as it is made.
     undo = contextlib.ExitStack()
@@ -207,6 +213,8 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     history_hook = attach_history(model, fxamp_backend.config.float8) if initialised else None
     if history_hook is not None:
         undo.callback(detach_history, model, history_hook)
+    if guard_masters and fxamp_backend.config.model_dtype in LOW_DTYPES:
+        undo.callback(guard_master_weights(model, fxamp_backend.config.opt_level))
     # Note [Graphs that hold a model's state]; a copy gets its histories with its state, after
     # this: a token of its own until then (its graphs read them at their first trace).
     fxamp_backend.owner = history_of(model) or (
@@ -230,7 +238,7 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
 
     def entry(method: Optional[str]) -> CompiledCall:
         function = boundary_forward(model, fxamp_backend.config, method,
-                                    cast_inputs=not settings.methods)
+                                    casts=not settings.methods)
         compiled = torch.compile(function, backend=fxamp_backend, dynamic=settings.dynamic,
                                  fullgraph=settings.fullgraph, **isolated)
         return CompiledCall(with_policy_autocast(compiled, fxamp_backend.config,
@@ -264,5 +272,5 @@ def _has_recurrent(model: torch.nn.Module) -> Callable[[], bool]:
 
 def _rebuild_copy(cls: type, config: AmpConfig, settings: CompileSettings) -> torch.nn.Module:
     module = cls.__new__(cls)
-    compile_module(module, settings.backend(config), settings)
+    compile_module(module, settings.backend(config), settings, guard_masters=True)
     return module  # nn.Module.__setstate__ then adds the original's state

@@ -20,7 +20,7 @@ import fxamp  # noqa: E402
 import fxamp.optim as fo  # noqa: E402
 from fxamp.errors import ConfigError  # noqa: E402
 from fxamp.integrations.lightning import Precision  # noqa: E402
-from fxamp.optim.master_check import MasterWeightsWarning  # noqa: E402
+from fxamp.errors import MasterWeightsWarning  # noqa: E402
 
 BATCHES, BAD_BATCH, LR = 6, 2, 1e-2
 

@@ -13,6 +13,7 @@ unless a test says otherwise.
 
 import copy
 import logging
+import warnings
 from unittest import mock
 
 import pytest
@@ -52,7 +53,7 @@ class Classifier(L.LightningModule):
         self.encoder = torch.nn.Sequential(torch.nn.Linear(FEATURES, 32), torch.nn.ReLU(),
                                            torch.nn.Linear(32, 32), torch.nn.Tanh())
         self.head = torch.nn.Linear(32, CLASSES)
-        self.expect = expect  # the dtype the head's output must have in every step, if set
+        self.expect = expect  # the dtype what the head returns must have in every step, if set
         self.lr, self.make_opt = lr, make_opt
         self.train_losses, self.predictions = [], []
 
@@ -129,7 +130,10 @@ def fxamp_runs():
 
     def run(level):
         if level not in runs:
-            model = Classifier(expect=torch.bfloat16, make_opt=_fused if level == "O2" else None)
+            # What a module called from a step returns: 16-bit at O1 (fxamp's op table, as
+            # autocast), fp32 at O2/O3 (Apex's model outputs; the modules compute in bf16).
+            expect = torch.bfloat16 if level == "O1" else torch.float32
+            model = Classifier(expect=expect, make_opt=_fused if level == "O2" else None)
             runs[level] = (model, *_run_all(model, _fxamp(level)))
         return runs[level]
 
@@ -139,15 +143,15 @@ def fxamp_runs():
 @pytest.mark.parametrize("level", ["O1", "O2", "O3"])
 def test_every_step_runs_in_the_precision_whatever_module_it_calls(level, fxamp_runs):
     # Lightning's AMPTestModel (tests_pytorch/models/test_amp.py), written in the usual style:
-    # each step asserts that what its submodules return is 16-bit. Today O1 runs the steps in
+    # each step asserts the dtype of what its submodules return. Today O1 runs the steps in
     # fp32 while trainer.precision says bf16-mixed, and O2/O3 raise a dtype mismatch.
     model, trainer, val, test, preds = fxamp_runs(level)
+    if level != "O1":
+        assert model.head.weight.dtype == torch.bfloat16
     assert trainer.precision == ("bf16-true" if level == "O3" else "bf16-mixed")
     assert trainer.global_step == BATCHES and len(model.train_losses) == BATCHES
     assert all(torch.isfinite(loss) for loss in model.train_losses)
     assert {"val_loss", "val_acc"} <= val.keys() and "test_loss" in test
-    # What a step returns leaves it as fxamp's model boundary leaves it: fp32 at O2/O3
-    # (Apex's cast_model_outputs), as computed at O1.
     assert preds.shape == (2 * BATCH, CLASSES)
     assert preds.dtype == (torch.bfloat16 if level == "O1" else torch.float32)
     assert fxamp.config_of(model).opt_level == level
@@ -406,3 +410,54 @@ def test_a_copy_runs_its_own_steps(fxamp_runs):
     # the copy's step computes with the copy's (zeroed) weights, not the original's
     assert twin.predict_step(batch, 0).std() == 0
     assert model.predict_step(batch, 0).std() > 0
+
+
+def test_ddp_runs_the_steps_as_a_single_device_does():
+    # Lightning's DDP calls each step through the wrapper's forward (its forward redirection):
+    # the same casts as on one device (a regression target is not cast to 16 bits), so one
+    # process under DDP trains bit for bit as without it (the same data order).
+    class Regressor(Classifier):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.head(self.encoder(x)), y)
+
+    gen = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(32, FEATURES, generator=gen),
+                                          torch.randn(32, CLASSES, generator=gen) * 1.001)
+    weights = []
+    for strategy in ("auto", "ddp"):
+        model = Regressor(make_opt=_fused)
+        try:
+            _trainer(_fxamp("O2"), strategy=strategy, use_distributed_sampler=False).fit(
+                model, torch.utils.data.DataLoader(data, batch_size=8))
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+        weights.append(_weights(model))
+    assert torch.equal(weights[0], weights[1])
+
+
+def test_a_step_that_appends_to_a_list_keeps_its_precision_past_the_recompile_limit():
+    # Lightning's documented pattern (validation_step_outputs.append(...)): Dynamo recompiles
+    # the step at every call (the list's length is guarded) until torch's limit, then runs it
+    # eagerly, where the modules still cast at the model boundary (O2: 16-bit inside).
+    class Collects(Classifier):
+        def __init__(self):
+            super().__init__(make_opt=_fused)
+            self.outputs = []
+
+        def validation_step(self, batch, batch_idx):
+            x, y = batch
+            assert self.head.weight.dtype == torch.bfloat16
+            self.outputs.append(F.cross_entropy(self._logits(x), y))
+
+        def on_validation_epoch_end(self):
+            self.log("val_loss", torch.stack(self.outputs).mean())
+            self.outputs.clear()
+
+    model = Collects()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's "hit config.recompile_limit" for the step
+        result = _trainer(_fxamp("O2"), limit_train_batches=1, num_sanity_val_steps=0).validate(
+            model, _loader(12, seed=1))[0]
+    assert torch.isfinite(torch.tensor(result["val_loss"]))
