@@ -66,6 +66,9 @@ class Precision(LightningPrecision):
                  fullgraph: bool = False, log_scale: bool = True, **overrides: Any) -> None:
         if not (scaler is None or scaler == _AUTO or isinstance(scaler, LossScaler)):
             raise ConfigError(f"scaler={scaler!r} must be 'auto', an fxamp.LossScaler or None")
+        # Each module a step calls is the model Apex casts around (Note [Methods compiled with
+        # the model]).
+        overrides.setdefault("model_boundary", "modules")
         self.config = AmpConfig.from_opt_level(opt_level, **overrides)
         self._compile_kwargs = dict(compiler=compiler, mode=mode, options=options,
                                     dynamic=dynamic, fullgraph=fullgraph)

@@ -64,11 +64,11 @@ def _cast_floats(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...
     return value
 
 
-def boundary_forward(model: torch.nn.Module, config: AmpConfig, method: Optional[str] = None,
-                     *, casts: bool = True) -> Callable[..., Any]:
+def boundary_forward(model: torch.nn.Module, config: AmpConfig,
+                     method: Optional[str] = None) -> Callable[..., Any]:
     """`model`'s call (or its `method`: Note [Methods compiled with the model]) with Apex's
-    model-boundary casts, as one function for torch.compile; without `casts`, the hooks of
-    `OuterCalls` cast at the model's modules instead.
+    model-boundary casts (`model_boundary="call"`; with "modules" the hooks of `OuterCalls`
+    cast at the model's modules instead), as one function for torch.compile.
 
     Note [Model-boundary casts]: at O0/O2/O3 the weights change dtype before Dynamo traces the
     model, so an fp32 input would meet bf16 weights inside Dynamo's own tracing, before any
@@ -77,6 +77,7 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig, method: Optional
     a function that calls the module, Dynamo traces the casts into the model's graph (module
     hooks on the top-level module would each become a graph of their own).
     """
+    casts = config.model_boundary == "call"
     in_dtype = config.model_dtype if casts else None
     out_dtype = config.output_dtype if casts else None
     in_sources = _sources(in_dtype)
@@ -164,9 +165,10 @@ def _redirected(module: torch.nn.Module) -> bool:
 
 
 def hook_outer_calls(model: torch.nn.Module, config: AmpConfig) -> list[Any]:
-    """Give every module of `model` the hooks of `OuterCalls` (none at a level that casts no
-    model boundary); returns their handles."""
-    if config.model_dtype is None and config.output_dtype is None:
+    """Give every module of `model` the hooks of `OuterCalls` (none where `model_boundary` is
+    "call", or at a level that casts no model boundary); returns their handles."""
+    if config.model_boundary != "modules" or (config.model_dtype is None
+                                              and config.output_dtype is None):
         return []
     calls, handles = OuterCalls(model, config), []
     for module in model.modules():

@@ -12,26 +12,16 @@ from typing import Any, Callable
 
 import torch
 
-from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
-from fxamp.model.cast_model import hook_outer_calls
 from fxamp.model.compiled_call import CompiledCall
 
 __all__ = ["check_methods", "compile_methods"]
 
 
-def compile_methods(model: torch.nn.Module, config: AmpConfig, methods: tuple[str, ...],
-                    entry: Callable[[str], CompiledCall], undo: contextlib.ExitStack, *,
-                    cast: bool) -> None:
+def compile_methods(model: torch.nn.Module, methods: tuple[str, ...],
+                    entry: Callable[[str], CompiledCall], undo: contextlib.ExitStack) -> None:
     """Make each of `methods` an attribute of the instance that runs it compiled (`entry`), as
-    Note [Methods compiled with the model] says; `cast`: the model's weights were just cast
-    (not a copy being rebuilt, whose modules come with their hooks), so its modules get the
-    hooks that cast at the model's boundary."""
-    if not methods:
-        return
-    if cast:
-        for handle in hook_outer_calls(model, config):
-            undo.callback(handle.remove)
+    Note [Methods compiled with the model] says; each registers its undo on `undo`."""
     for method in methods:
         before = model.__dict__.get(method)  # none, or the method itself (check_methods)
         model.__dict__[method] = _as_method(entry(method), getattr(type(model), method))

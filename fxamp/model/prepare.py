@@ -20,7 +20,7 @@ import torch
 from fxamp import _compat
 from fxamp.arguments import check_compile_flags, entry_config
 from fxamp.backend import Compiler, CompiledGraph, FxampBackend
-from fxamp.model.cast_model import CastRecord, boundary_forward, cast_model
+from fxamp.model.cast_model import CastRecord, boundary_forward, cast_model, hook_outer_calls
 from fxamp.model.compiled_call import CompiledCall, FirstCall, fxamp_error
 from fxamp.config import AmpConfig
 from fxamp.model.copies import forget_copyable, make_copyable
@@ -237,8 +237,7 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
                       first_call)
 
     def entry(method: Optional[str]) -> CompiledCall:
-        function = boundary_forward(model, fxamp_backend.config, method,
-                                    casts=not settings.methods)
+        function = boundary_forward(model, fxamp_backend.config, method)
         compiled = torch.compile(function, backend=fxamp_backend, dynamic=settings.dynamic,
                                  fullgraph=settings.fullgraph, **isolated)
         return CompiledCall(with_policy_autocast(compiled, fxamp_backend.config,
@@ -247,8 +246,10 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     recurrent = _has_recurrent(model)
     _compat.set_compiled_call(model, entry(None))
     undo.callback(_compat.set_compiled_call, model, None)
-    compile_methods(model, fxamp_backend.config, settings.methods, entry, undo,
-                    cast=record is not None)
+    if record is not None:  # a copy's modules come with their hooks
+        for handle in hook_outer_calls(model, fxamp_backend.config):
+            undo.callback(handle.remove)
+    compile_methods(model, settings.methods, entry, undo)
     setattr(model, _BACKEND_ATTR, fxamp_backend)
     undo.callback(delattr, model, _BACKEND_ATTR)
     # Note [Copies keep the compiled call]

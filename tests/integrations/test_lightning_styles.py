@@ -412,6 +412,24 @@ def test_a_copy_runs_its_own_steps(fxamp_runs):
     assert model.predict_step(batch, 0).std() > 0
 
 
+def test_a_float_target_is_not_cast():
+    # At O2 the modules a step calls compute in 16 bits; the step's own code around them, the
+    # loss against the batch's fp32 targets, runs in fp32, as around Apex's model. A target
+    # fp16 cannot hold (1 + 2**-14) shows it: with a zero output, the loss is mean(y**2).
+    class Regressor(Classifier):
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.mse_loss(self.head(self.encoder(x)), y)
+
+    model = Regressor()
+    _fxamp("O2", "16").convert_module(model)
+    with torch.no_grad():
+        model.head.weight.zero_(), model.head.bias.zero_()
+    y = torch.full((4, CLASSES), 1 + 2**-14)
+    loss = model.training_step((torch.randn(4, FEATURES), y), 0)
+    assert loss.dtype == torch.float32 and loss.item() == (y.double() ** 2).mean().float().item()
+
+
 def test_ddp_runs_the_steps_as_a_single_device_does():
     # Lightning's DDP calls each step through the wrapper's forward (its forward redirection):
     # the same casts as on one device (a regression target is not cast to 16 bits), so one
