@@ -13,6 +13,7 @@ unless a test says otherwise.
 
 import copy
 import logging
+import os
 import warnings
 from unittest import mock
 
@@ -445,9 +446,12 @@ def test_ddp_runs_the_steps_as_a_single_device_does():
     weights = []
     for strategy in ("auto", "ddp"):
         model = Regressor(make_opt=_fused)
+        # Lightning's DDP sets the process group and its environment variables (RANK,
+        # WORLD_SIZE, ...): both are taken back, or later tests would start distributed.
         try:
-            _trainer(_fxamp("O2"), strategy=strategy, use_distributed_sampler=False).fit(
-                model, torch.utils.data.DataLoader(data, batch_size=8))
+            with mock.patch.dict(os.environ):
+                _trainer(_fxamp("O2"), strategy=strategy, use_distributed_sampler=False).fit(
+                    model, torch.utils.data.DataLoader(data, batch_size=8))
         finally:
             if torch.distributed.is_initialized():
                 torch.distributed.destroy_process_group()
