@@ -5,10 +5,11 @@ The model runs at O0 (fp32) through fxamp's own backend with the debug tools' in
 compiler in its pre-dispatch mode: the graph the passes annotate runs eagerly under autograd,
 so each GEMM node (the node the float8 pass decides on, with its module path and source
 line) is seen with its live operands, and a hook on its output catches the gradient that
-flows into it. Each candidate then recomputes the three GEMMs of a training step -- output,
-grad_input, grad_weight -- from those fp32 tensors: 16-bit dtypes by rounding the operands
-and the result (a tensor-core GEMM multiplies exactly and accumulates in fp32), float8 with
-fxamp's own float8 GEMM (`Float8MM`, the code a float8 plan runs) on the 16-bit operands.
+flows into it. Each candidate then recomputes the whole op -- its product and whatever else it
+adds or scales (Note [The whole op is measured]) -- and the two gradient GEMMs of a training
+step from those fp32 tensors: 16-bit dtypes by rounding the operands and the result (a
+tensor-core GEMM multiplies exactly and accumulates in fp32), float8 with the code a float8
+plan runs (`float8_matmul` / `float8_bmm`: `Float8MM` and its epilogue) on the 16-bit operands.
 """
 
 from __future__ import annotations
@@ -25,13 +26,13 @@ from fxamp.debug import instrument
 from fxamp.debug.instrument import (FORWARD, GraphRecord, InstrumentingCompiler, OpSite,
                                     call_model, default_loss, prepare_private)
 from fxamp.float8.config import Float8Config
-from fxamp.float8.gemm import Float8MM
+from fxamp.float8.gemm import float8_bmm, float8_matmul
 from fxamp.passes.float8 import GEMM_OPS, decide
 from fxamp.passes.float8_operands import GemmOperands, gemm_operands
 from fxamp.provenance import module_of, source_line
 
-__all__ = ["GemmMeasure", "GemmProbe", "measure", "candidate_errors", "relative_error",
-           "CANDIDATES", "TENSORS"]
+__all__ = ["GemmMeasure", "GemmProbe", "GemmCall", "measure", "candidate_errors",
+           "relative_error", "CANDIDATES", "TENSORS"]
 
 CANDIDATES = ("bf16", "fp16", "tensorwise", "rowwise")  # fp32 is the reference itself
 TENSORS = ("output", "grad_input", "grad_weight")
@@ -77,32 +78,66 @@ def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / base if base > 0 else (0.0 if diff == 0 else math.inf)
 
 
-def _t(x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(-2, -1)
+# Note [The whole op is measured]: a GEMM node computes `beta * c + alpha * (a @ b)`: a
+# Linear adds its bias, addmm / baddbmm their input, scaled by alpha and beta (beta = 0 ignores
+# c, its inf and NaN included), matmul broadcasts batch dims and takes 1-D operands. Each
+# candidate computes all of it, and the error is relative to the op's fp32 result: a bias
+# that cancels the product (a folded normalisation, bias = -W @ mean) leaves a small output
+# that the rounding of the large product swamps, which the product alone would never show.
+# The gradients are those of a and b (a bias's gradient is a sum, not a GEMM).
+@dataclasses.dataclass(frozen=True)
+class GemmCall:
+    """What one GEMM node computed: `beta * c + alpha * (a @ b)`, a [.., M, K] and b
+    [.., K, N] (batch dims broadcast as torch.matmul does), c None or broadcast to the
+    result, with `shape` the result's shape in that form."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    c: Optional[torch.Tensor] = None
+    alpha: float = 1
+    beta: float = 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        batch = torch.broadcast_shapes(self.a.shape[:-2], self.b.shape[:-2])
+        return (*batch, self.a.shape[-2], self.b.shape[-1])
+
+    def detach(self) -> "GemmCall":
+        c = None if self.c is None else self.c.detach()
+        return dataclasses.replace(self, a=self.a.detach(), b=self.b.detach(), c=c)
 
 
-def _gemms(a, b, g, grad_input: bool, grad_weight: bool, round_: Callable) -> dict:
-    a, b = round_(a), round_(b)
-    out = {"output": round_(a @ b)}
-    if g is not None:
-        g = round_(g)
-        if grad_input:
-            out["grad_input"] = round_(g @ _t(b))
-        if grad_weight:
-            out["grad_weight"] = round_(_t(a) @ g)
-    return out
-
-
-def _float8(a, b, g, grad_input: bool, grad_weight: bool, recipe: str,
-            dtype: torch.dtype) -> dict:
-    a16, b16 = (t.to(dtype).requires_grad_(g is not None) for t in (a, b))
+def _whole(call: GemmCall, g: Optional[torch.Tensor], grads: tuple[bool, bool],
+           round_: Callable) -> dict:
+    """The op, and with `g` the gradients of a and b, in fp32 on operands rounded by
+    `round_`, each result rounded."""
+    a, b = (round_(t).detach().requires_grad_(g is not None) for t in (call.a, call.b))
     with torch.enable_grad():
-        out = Float8MM.apply(a16, b16, recipe)
-    result = {"output": out}
-    if g is not None:
+        out = torch.matmul(a, b)
+        out = out if call.alpha == 1 else call.alpha * out
+        if call.c is not None:
+            out = out + (round_(call.c) if call.beta == 1 else call.beta * round_(call.c))
+    result = {"output": round_(out.detach())}
+    if g is not None and any(grads):
+        wanted = [t for t, on in zip((a, b), grads) if on]
+        got = iter(torch.autograd.grad(out, wanted, round_(g)))
+        result.update({name: round_(next(got)) for name, on in
+                       zip(("grad_input", "grad_weight"), grads) if on})
+    return result
+
+
+def _float8(call: GemmCall, g: Optional[torch.Tensor], grads: tuple[bool, bool], recipe: str,
+            dtype: torch.dtype) -> dict:
+    a16, b16 = (t.to(dtype).requires_grad_(g is not None) for t in (call.a, call.b))
+    c16 = None if call.c is None else call.c.to(dtype)
+    gemm = float8_bmm if a16.dim() == 3 else float8_matmul
+    with torch.enable_grad():
+        out = gemm(a16, b16, c16, recipe, alpha=call.alpha, beta=call.beta)
+    result = {"output": out.detach()}
+    if g is not None and any(grads):
         grad_a, grad_b = torch.autograd.grad(out, (a16, b16), g.to(dtype))
-        result.update({"grad_input": grad_a} if grad_input else {})
-        result.update({"grad_weight": grad_b} if grad_weight else {})
+        result.update({"grad_input": grad_a} if grads[0] else {})
+        result.update({"grad_weight": grad_b} if grads[1] else {})
     return result
 
 
@@ -122,53 +157,94 @@ def _keep(size: int, limit: int, *extremes: torch.Tensor) -> Optional[torch.Tens
     return torch.unique(torch.cat([spaced, *(e.reshape(1) for e in extremes)]))
 
 
-def _sample(a: torch.Tensor, b: torch.Tensor, g: Optional[torch.Tensor]) -> tuple:
-    if a.dim() != 2:
-        return a, b, g
+def _sample(call: GemmCall, g: Optional[torch.Tensor]) -> tuple[GemmCall, Any]:
+    a, b, c = call.a, call.b, call.c
+    if a.dim() != 2 or b.dim() != 2:
+        return call, g
     gabs = None if g is None else g.abs()
     rows = _keep(a.shape[0], MAX_ROWS, a.abs().amax(1).argmax(),
                  *(() if gabs is None else (gabs.amax(1).argmax(),)))
     cols = _keep(b.shape[1], MAX_COLS, b.abs().amax(0).argmax(),
                  *(() if gabs is None else (gabs.amax(0).argmax(),)))
     if rows is not None:
-        a, g = a[rows], None if g is None else g[rows]
+        a, g, c = a[rows], None if g is None else g[rows], None if c is None else c[rows]
     if cols is not None:
         b, g = b[:, cols], None if g is None else g[:, cols]
-    return a, b, g
+        c = None if c is None else c[:, cols]
+    return dataclasses.replace(call, a=a, b=b, c=c), g
 
 
 def candidate_errors(a: torch.Tensor, b: torch.Tensor, g: Optional[torch.Tensor], *,
+                     c: Optional[torch.Tensor] = None, alpha: float = 1, beta: float = 1,
                      grad_input: bool, grad_weight: bool, dtype: torch.dtype,
                      float8: bool) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """(errors, max_abs) of the GEMM a [.., M, K] @ b [.., K, N] with output gradient `g`
-    (None: forward only), for each candidate (float8 ones only with `float8`); the float8
-    operands are in `dtype`, the 16-bit dtype of the plan. Large GEMMs are measured on a
-    sample (Note [Measuring a sample of a large GEMM])."""
-    a, b = a.detach().float(), b.detach().float()
-    a, b, g = _sample(a, b, None if g is None else g.detach().float())
-    ref = _gemms(a, b, g, grad_input, grad_weight, lambda t: t)
+    """(errors, max_abs) of the op `beta * c + alpha * (a [.., M, K] @ b [.., K, N])` with
+    output gradient `g` (None: forward only), for each candidate (float8 ones only with
+    `float8`); the float8 operands are in `dtype`, the 16-bit dtype of the plan (Note [The
+    whole op is measured]). Large GEMMs are measured on a sample (Note [Measuring a sample of
+    a large GEMM])."""
+    c = None if c is None or beta == 0 else c.detach().float()
+    call = GemmCall(a.detach().float(), b.detach().float(), None, alpha, beta)
+    if c is not None:
+        call = dataclasses.replace(call, c=c.expand(call.shape))
+    call, g = _sample(call, None if g is None else g.detach().float().reshape(call.shape))
+    grads = (grad_input, grad_weight)
+    ref = _whole(call, g, grads, lambda t: t)
     errors = {}
     for cand in CANDIDATES:
         if cand in _DTYPES:
             low = _DTYPES[cand]
-            got = _gemms(a, b, g, grad_input, grad_weight, lambda t: t.to(low).float())
+            got = _whole(call, g, grads, lambda t: t.to(low).float())
         elif float8:
-            got = _float8(a, b, g, grad_input, grad_weight, cand, dtype)
+            got = _float8(call, g, grads, cand, dtype)
         else:
             continue
         errors[cand] = {k: relative_error(v, ref[k]) for k, v in got.items()}
-    named = {"input": a, "weight": b, **ref, **({"grad_output": g} if g is not None else {})}
+    named = {"input": call.a, "weight": call.b, **({"bias": call.c} if call.c is not None
+                                                   else {}),
+             **ref, **({"grad_output": g} if g is not None else {})}
     return errors, {k: float(v.abs().max()) if v.numel() else 0.0 for k, v in named.items()}
 
 
-def _operands(ops: GemmOperands, node: fx.Node, env: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    # Canonical [M, K] @ [K, N], or [B, M, K] @ [B, K, N] for a GEMM done per batch entry.
-    a, b = env[ops.left], env[ops.right]
-    b = b.t() if GEMM_OPS[node.target] == "linear" else b
-    _, k, n = ops.mkn
-    if ops.batch:
-        return a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n)
-    return a.reshape(-1, k), b.reshape(k, n)
+def _value(node: Any, env: dict) -> Any:
+    return env[node] if isinstance(node, fx.Node) else node
+
+
+def _as_written(node: fx.Node, env: dict) -> GemmCall:
+    # A GEMM the float8 pass cannot take (batch dims broadcast, a 1-D operand): its operands
+    # as the op takes them, a 1-D one made a matrix as torch.matmul does.
+    op, args = GEMM_OPS[node.target], [_value(x, env) for x in node.args]
+    scalars = {k: node.kwargs.get(k, 1) for k in ("alpha", "beta")}
+    if op == "linear":
+        x, w, bias = (*args, node.kwargs.get("bias"))[:3]
+        a, b, c, scalars = x, _t(w) if w.dim() == 2 else w, _value(bias, env), {}
+    elif op in ("addmm", "baddbmm"):
+        c, a, b = args[:3]
+    else:
+        (a, b), c = args[:2], None
+    a, b = a.unsqueeze(0) if a.dim() == 1 else a, b.unsqueeze(-1) if b.dim() == 1 else b
+    return GemmCall(a, b, c, **scalars)
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-2, -1)
+
+
+def _call(ops: GemmOperands, node: fx.Node, env: dict, value: torch.Tensor) -> GemmCall:
+    # Canonical [M, K] @ [K, N], or [B, M, K] @ [B, K, N] for a GEMM done per batch entry, as
+    # the float8 pass takes it; c broadcast to the result, in that form.
+    if ops.refusal is not None:
+        call = _as_written(node, env)
+    else:
+        a, b = env[ops.left], env[ops.right]
+        b = b.t() if GEMM_OPS[node.target] == "linear" else b
+        _, k, n = ops.mkn
+        a, b = (a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n)) if ops.batch else \
+            (a.reshape(-1, k), b.reshape(k, n))
+        call = GemmCall(a, b, _value(ops.bias, env), ops.alpha, ops.beta)
+    if call.c is None or call.beta == 0:
+        return dataclasses.replace(call, c=None)
+    return dataclasses.replace(call, c=call.c.expand(value.shape).reshape(call.shape))
 
 
 class GemmProbe(InstrumentingCompiler):
@@ -182,7 +258,7 @@ class GemmProbe(InstrumentingCompiler):
         self.float8_config = AmpConfig.from_opt_level(
             "O1", float8=Float8Config(min_dim=1)).resolve(device_type)
         self.sites: dict[tuple[int, str], GemmMeasure] = {}
-        self._pending: list[tuple[GemmMeasure, Any, Any, Any]] = []
+        self._pending: list[list[Any]] = []
 
     def _site(self, record: GraphRecord, node: fx.Node) -> GemmMeasure:
         key = (record.index, node.name)
@@ -201,21 +277,20 @@ class GemmProbe(InstrumentingCompiler):
         if node.op != "call_function" or node.target not in GEMM_OPS:
             return
         measure_ = self._site(record, node)
-        ops = gemm_operands(record.pre, node)
-        if ops.a is None or not isinstance(value, torch.Tensor):
-            return  # not a [.., K] @ [K, N] GEMM: no candidate to compare
-        a, b = _operands(ops, node, env)
-        measure_.grad_input, measure_.grad_weight = a.requires_grad, b.requires_grad
-        entry = [measure_, a.detach(), b.detach(), None]
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            return  # no candidate precision to compare
+        call = _call(gemm_operands(record.pre, node), node, env, value)
+        measure_.grad_input, measure_.grad_weight = call.a.requires_grad, call.b.requires_grad
+        entry = [measure_, call.detach(), None]
         self._pending.append(entry)
         if value.requires_grad:
-            shape = (-1, *value.shape[-2:]) if ops.batch else (-1, value.shape[-1])
-            value.register_hook(lambda g: entry.__setitem__(3, g.detach().reshape(shape)))
+            value.register_hook(lambda g: entry.__setitem__(2, g.detach()))
 
     def flush(self) -> None:
         """Measure every GEMM captured since the last flush, then let go of its tensors."""
-        for m, a, b, g in self._pending:
-            m.add(*candidate_errors(a, b, g, grad_input=m.grad_input and g is not None,
+        for m, call, g in self._pending:
+            m.add(*candidate_errors(call.a, call.b, g, c=call.c, alpha=call.alpha,
+                                    beta=call.beta, grad_input=m.grad_input and g is not None,
                                     grad_weight=m.grad_weight and g is not None,
                                     dtype=self.dtype, float8=m.float8_refusal is None))
         self._pending.clear()
