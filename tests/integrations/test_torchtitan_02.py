@@ -25,6 +25,7 @@ from torchtitan.protocols.model_converter import build_model_converters  # noqa:
 import fxamp  # noqa: E402
 import fxamp.integrations.torchtitan  # noqa: E402,F401  (registers the converter "fxamp")
 from fxamp.errors import ConfigError  # noqa: E402
+from fxamp.model.prepare import backend_of  # noqa: E402
 
 FXAMP = ["--job.custom_config_module", "fxamp.integrations.torchtitan",
          "--model.converters", "fxamp", "--fxamp.compiler", "aot_eager"]
@@ -66,13 +67,19 @@ def _losses(argv, steps=3):
     return model, out
 
 
-@pytest.mark.parametrize("extra, rel", [([], 2e-3), (["--fxamp.float8", "tensorwise"], 3e-2)])
+NO_CHECKPOINTING = ["--activation_checkpoint.mode", "none"]
+FLOAT8 = ["--fxamp.float8", "tensorwise"] + NO_CHECKPOINTING
+
+
+@pytest.mark.parametrize("extra, rel", [([], 2e-3), (FLOAT8, 3e-2)])
 def test_converter_trains_the_debug_model_like_fp32(extra, rel):
     _, ref = _losses([])
     model, got = _losses(FXAMP + ["--fxamp.opt_level", "O1"] + extra)
     config = fxamp.config_of(model)
     assert (config.opt_level, config.dtype, config.device_type) == ("O1", torch.bfloat16, "cpu")
     assert (config.float8 is not None) == bool(extra)
+    float8_gemms = sum(g.stats.float8_gemms for g in backend_of(model).compiled_graphs)
+    assert (float8_gemms > 0) == bool(extra)  # float8 ran where it was asked for
     assert got != ref and got == pytest.approx(ref, rel=rel)  # bf16 ran, close to fp32
 
 
@@ -80,6 +87,9 @@ def test_converter_trains_the_debug_model_like_fp32(extra, rel):
     (["--fxamp.opt_level", "O2"], "keep no fp32 master"),
     (["--fxamp.dtype", "float16"], "use bfloat16"),
     (["--compile.enable"], "fxamp compiles the model itself"),
+    (["--fxamp.float8", "tensorwise"], r"fxamp.float8=.tensorwise. with activation "
+                                       r"checkpointing \(selective\): fxamp.s float8 pass does "
+                                       "not rewrite the GEMMs inside checkpointed bodies"),
 ])
 def test_refusals_before_the_model_is_touched(argv, match):
     job = ConfigManager().parse_args(BASE + FXAMP + argv)
