@@ -157,9 +157,14 @@ def _config(args: argparse.Namespace) -> AmpConfig:
 
 def _show(view: Any, args: argparse.Namespace) -> str:
     viewer = show(view, port=args.port, open_browser=not args.no_browser, wait=False)
-    sys.stdout.write(f"Model Explorer at {viewer.url}\n(Ctrl+C stops it)\n")
-    sys.stdout.flush()
-    viewer.wait()
+    try:  # Ctrl+C, whenever it comes, stops the server and exits 0
+        sys.stdout.write(f"Model Explorer at {viewer.url}\n(Ctrl+C stops it)\n")
+        sys.stdout.flush()
+        viewer.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        viewer.stop()
     return ""
 
 

@@ -124,11 +124,35 @@ class Page:
                 raise TimeoutError(f"waited {timeout:g} s for {expression}")
             time.sleep(0.25)
 
-    def screenshot(self, path: str) -> None:
-        data = self.browser.send("Page.captureScreenshot", self.session, format="png")["data"]
-        with open(path, "wb") as f:
-            f.write(base64.b64decode(data))
+    def screenshot(self, path: Optional[str] = None) -> bytes:
+        """The page as PNG bytes (also written to `path`)."""
+        data = base64.b64decode(
+            self.browser.send("Page.captureScreenshot", self.session, format="png")["data"])
+        if path is not None:
+            with open(path, "wb") as f:
+                f.write(data)
+        return data
+
+    def count_colours(self, png: bytes, colours: list[str]) -> dict[str, int]:
+        """How many pixels of a PNG (a screenshot) have exactly each colour ("#rrggbb"),
+        counted by the page's own canvas."""
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        return self.evaluate(f"""(async () => {{
+            const image = new Image(); image.src = {json.dumps(url)}; await image.decode();
+            const canvas = new OffscreenCanvas(image.width, image.height);
+            const context = canvas.getContext('2d'); context.drawImage(image, 0, 0);
+            const pixels = context.getImageData(0, 0, image.width, image.height).data;
+            const counts = {{}};
+            for (const c of {json.dumps(colours)}) {{
+                const [r, g, b] = [1, 3, 5].map(i => parseInt(c.slice(i, i + 2), 16));
+                let n = 0;
+                for (let i = 0; i < pixels.length; i += 4)
+                    if (pixels[i] == r && pixels[i + 1] == g && pixels[i + 2] == b) n++;
+                counts[c] = n;
+            }}
+            return counts; }})()""")
 
     def close(self) -> None:
         self.browser.send("Target.closeTarget", targetId=self.browser.send(
             "Target.getTargetInfo", self.session)["targetInfo"]["targetId"])
+
