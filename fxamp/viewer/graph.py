@@ -1,6 +1,6 @@
 """fxamp's graphs after its passes as Model Explorer graphs: plain JSON data, no viewer needed.
 
-One Model Explorer graph per fx graph (Note [What the viewer shows] in docs/design.md): nodes
+One Model Explorer graph per fx graph (docs/explain.md, "In a graph viewer"): nodes
 grouped into layers by module (namespaces from `nn_module_stack`), filled with the colour of
 the dtype they run in, the casts fxamp inserted outlined, and fxamp's decision for each node
 (policy and why, the float8 choice) in its attributes, which Model Explorer's side panel shows.
