@@ -16,7 +16,8 @@ from fxamp.float8.gemm import Float8MM
 from fxamp.planner import GemmShape, PlannedGemm, PrecisionPlan, Target
 from fxamp.planner.choose import _per_module, _planned
 from fxamp.planner.cost import TARGETS, cast_time, gemm_time
-from fxamp.planner.measure import GemmMeasure, candidate_errors, measure, relative_error
+from fxamp.planner.candidates import candidate_errors, relative_error
+from fxamp.planner.measure import GemmMeasure, measure
 from fxamp.planner.report import duration
 from fxamp.provenance import OpSite
 from planner_models import (Hostile, folded_norm_mlp, gpt2, lm_loss, offset_batch,
