@@ -58,7 +58,8 @@ def test_planner_example_plans_saves_applies_and_explains():
     out = _run("examples.planner")
     assert "float8: 1 of 3 GEMMs | modeled GEMM time of a training step on h100" in out
     assert "loaded plan equal: True" in out
-    assert "skip_modules '2'; stays bf16; plan: bf16: float8 rowwise error 1 > budget 0.1" in out
+    assert ("skip_modules '2'; stays bf16; plan: bf16: the float8 rowwise error of its output, 1, "
+            "exceeds the budget 0.1") in out
     assert "step 2: loss" in out
 
 
