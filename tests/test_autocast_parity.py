@@ -72,10 +72,11 @@ def test_transform_traces_mixed_operands_as_the_backend_does(name):
     class Model(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.weights = torch.nn.ParameterList(weights)
+            self.weight = torch.nn.Parameter(weights[0])
+            self.bias = torch.nn.Parameter(weights[1]) if len(weights) > 1 else None
 
         def forward(self, x):
-            return fn(x, *self.weights)
+            return fn(x, self.weight) if self.bias is None else fn(x, self.weight, self.bias)
 
     model = fxamp.compile(Model(), opt_level="O1", dtype=torch.bfloat16, compiler="aot_eager")
     assert torch.equal(model(x), expected)
