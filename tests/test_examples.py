@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+import fxamp
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -67,3 +69,12 @@ def test_healing_promotes_the_planted_op_and_lands_near_fp32():
     assert "promoted module 'blocks.0.attn.scores' to fp32 at step 4" in out
     healed = next(line for line in out.splitlines() if line.startswith("fp16 O1 + fxamp.Healer"))
     assert float(healed.split(", ")[-1].split("%")[0]) < 1.0
+
+
+def test_viewer_example_saves_both_views(tmp_path):
+    out = _run("examples.viewer", "--save-only")
+    assert "fxamp O1 | dtype bf16 | policy torch-cpu | device cpu" in out
+    assert "forward: aten.matmul.default in attn (Attention), graph 0" in out
+    for name in ("gpt2", "planted_overflow"):
+        view = fxamp.viewer.GraphView.load(os.path.join(ROOT, "out", f"{name}.fxamp.json"))
+        assert view.graphs[0]["nodes"]
