@@ -1,6 +1,7 @@
 """The graph view's data: fxamp's graphs and measurements as Model Explorer JSON, without the
 viewer package (the browser tests are tests/test_viewer_browser.py)."""
 
+import dataclasses
 import json
 import os
 
@@ -15,6 +16,7 @@ from examples.debug_overflow import planted_model
 from fxamp.errors import ConfigError
 from fxamp.planner.cost import as_target
 from fxamp.planner.plan import PlannedGemm, PrecisionPlan
+from fxamp.viewer.overlays import _plan_note
 from fxamp.viewer import GraphView, ViewerMissing, graph_view
 from fxamp.viewer import server as viewer_server
 from fxamp.viewer.graph import BOUNDARY_BORDER, CAST_BORDER, DTYPE_COLOURS
@@ -172,6 +174,17 @@ def test_plan_overlays_match_gemms_by_module_op_and_rank(mlp_view):
     assert errors["results"] == {"linear": {"value": 0.004}, "linear_1": {"value": 0.5}}
     assert errors["thresholds"][0] == {"value": 0.1, "bgColor": GREEN}
     assert view.overlay("plan modeled us")["forward 0"]["results"]["linear"] == {"value": 1.0}
+
+
+def test_a_plan_note_names_the_precision_once():
+    # the planner's reasons already start with their precision ("bf16: ..."): not "bf16: bf16:"
+    site = PlannedGemm("forward", 0, "linear", "aten.linear.default", "aten.linear.default",
+                       "fc1", "Linear", "models.py:28", (8, 16, 32), 0, ("grad_input",),
+                       "too small", (("bf16", 0.004),), (("bf16", 1e-6),), 3.0, "bf16",
+                       "bf16: its error is within the budget.")
+    other = dataclasses.replace(site, reason="within budget")
+    assert _plan_note(site).startswith("bf16: its error is within the budget. | errors")
+    assert _plan_note(other).startswith("bf16: within budget | errors")
 
 
 def test_boundary_casts_are_outlined_apart():

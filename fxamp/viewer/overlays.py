@@ -206,7 +206,10 @@ def _site_keys(plan: PrecisionPlan) -> list[tuple]:
 def _plan_note(s: PlannedGemm) -> str:
     errors = ", ".join(f"{c} {e:.3g}" for c, e in s.errors)
     times = ", ".join(f"{p} {t * 1e6:.1f} us" for p, t in s.times)
-    return f"{s.precision}: {s.reason} | errors vs fp32: {errors} | modeled: {times}"
+    reason = s.reason  # the planner's reasons start with the precision they chose
+    if not reason.startswith(f"{s.precision}:"):
+        reason = f"{s.precision}: {reason}"
+    return f"{reason} | errors vs fp32: {errors} | modeled: {times}"
 
 
 def plan_overlays(plan: PrecisionPlan, index: GraphIndex) -> list[Overlay]:
