@@ -84,7 +84,8 @@ def _run(inputs, which, output, monkeypatch, *extra):
     return output
 
 
-@pytest.fixture(scope="module", params=["--bf16", "--fp16"])
+@pytest.fixture(scope="module",
+                params=["--bf16", pytest.param("--fp16", marks=pytest.mark.slow)])
 def runs(inputs, tmp_path_factory, request):
     with pytest.MonkeyPatch.context() as monkeypatch:
         return {which: _run(inputs, which, tmp_path_factory.mktemp(which), monkeypatch,
