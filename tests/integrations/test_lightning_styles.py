@@ -483,3 +483,21 @@ def test_a_step_that_appends_to_a_list_keeps_its_precision_past_the_recompile_li
         result = _trainer(_fxamp("O2"), limit_train_batches=1, num_sanity_val_steps=0).validate(
             model, _loader(12, seed=1))[0]
     assert torch.isfinite(torch.tensor(result["val_loss"]))
+
+
+@pytest.mark.parametrize("accelerator", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                          reason="needs a CUDA device"))])
+def test_the_config_is_resolved_for_the_strategys_device(accelerator):
+    # Lightning converts the module while it is still on the CPU; the precision is the one of
+    # the device it trains on (fp16 and CUDA's op table on a GPU, not the CPU's bf16).
+    model = Classifier(make_opt=_fused)
+    trainer = L.Trainer(accelerator=accelerator, devices=1, plugins=[Precision("O2",
+                        compiler="aot_eager")], max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(model, _loader())
+    config = fxamp.config_of(model)
+    assert config.device_type == accelerator and model.head.weight.device.type == accelerator
+    assert config.dtype == (torch.float16 if accelerator == "cuda" else torch.bfloat16)
+    assert trainer.precision == ("16-mixed" if accelerator == "cuda" else "bf16-mixed")
