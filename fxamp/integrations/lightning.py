@@ -7,8 +7,9 @@ methods its class defines (`training_step`, `validation_step`, `test_step`, `pre
 what Lightning's autocast covers, Note [Methods compiled with the model]), for the device of
 the Trainer's strategy, before `configure_optimizers` (so an fxamp optimizer built there gets
 the 16-bit weights and keeps fp32 masters); `pre_backward` scales the loss; `optimizer_step`
-runs Lightning's closure (forward, backward), unscales with the LossScaler's GradScaler protocol so that the
-`on_before_optimizer_step` hooks and `gradient_clip_val` see unscaled gradients, then
+runs Lightning's closure (forward, backward), unscales with the LossScaler's GradScaler
+protocol so that the `on_before_optimizer_step` hooks and `gradient_clip_val` see unscaled
+gradients, then
 `scaler.step` (skipped on inf/nan; fused and without a host read for fxamp's optimizers) and
 `scaler.update()`. As with Lightning's plugin, a skipped step still counts in `global_step`
 and step-interval schedulers still step (docs/integrations.md says how to hold them). The scale
@@ -117,11 +118,8 @@ class Precision(LightningPrecision):
         return model, optimizers, lr_schedulers
 
     # ---------------------------------------------------------------- backward and the step
-    # Note [Lightning's machinery runs eagerly]: a compiled step that calls manual_backward or
-    # an optimizer's step (manual optimization) reaches these methods from inside fxamp's
-    # compiled region; disabled for Dynamo (as Lightning's own logging is), they and what they
-    # call run as written, and the optimizer's update never becomes part of a model graph that
-    # fxamp's passes would cast.
+    # Disabled for Dynamo, as Lightning's own logging is: a compiled step reaches them in manual
+    # optimization (Note [Lightning's machinery runs eagerly] in docs/design.md).
     @torch.compiler.disable
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if self.scaler is not None:
