@@ -136,8 +136,8 @@ def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: 
     # Note [O2 graph inputs]: at O2/O3 the model computes in the low dtype, so fp32 graph inputs
     # (the parameters when the backend is used without fxamp.compile, and data the caller did
     # not cast) are cast at each use, except into fp32 islands, the user's own casts, arguments
-    # mutated in place, and graphs of model_boundary="modules" (not the model's inputs). The model's outputs are not a graph's business: a graph
-    # break makes any value an output, so fxamp.compile casts outputs with a module hook
+    # mutated in place, and graphs of model_boundary="modules" (not the model's inputs). Outputs
+    # are not a graph's business (a graph break makes any value one): fxamp.compile casts them
     # (Note [Model-boundary casts] in cast_model.py). An fp32 value that meets low-precision
     # ones in an op that takes one dtype (a matmul after the user's fp32 autocast region)
     # is cast the same way: the op runs in the model dtype, as autocast would run it. No cast
