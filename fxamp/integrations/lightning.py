@@ -24,6 +24,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
+from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy,
+                                          SingleDeviceXLAStrategy, XLAStrategy)
 
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
@@ -36,6 +38,9 @@ __all__ = ["Precision"]
 
 _AUTO = "auto"
 _STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+# DeepSpeed and XLA derive from DDP and the single-device strategy, and are not supported.
+_SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+_UNSUPPORTED_STRATEGIES = (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)
 
 
 class Precision(LightningPrecision):
@@ -55,8 +60,9 @@ class Precision(LightningPrecision):
 
     Raises:
         ConfigError: a bad opt level, override or scaler (at construction); at `fit` (and
-            validate, test, predict), before anything changes: a LightningModule compiled
-            with torch.compile, or one `fxamp.compile` prepared without its steps; float16
+            validate, test, predict), before anything changes: a strategy other than one
+            device or DDP (FSDP, DeepSpeed, ...), a LightningModule compiled with
+            torch.compile, or one `fxamp.compile` prepared without its steps; float16
             weights stepped by a torch.optim optimizer (no fp32 masters; the module is then
             put back as it was). Each message names the fix.
     """
@@ -84,6 +90,7 @@ class Precision(LightningPrecision):
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         """Compile the module in place with fxamp, its call and its step methods, for the
         strategy's device (O2/O3: its weights become 16-bit here)."""
+        _check_strategy(module)
         steps = _steps_of(module)
         if config_of(module) is None:
             _check_uncompiled(module)
@@ -181,6 +188,22 @@ def _check_uncompiled(module: torch.nn.Module) -> None:
             "steps with that compile's backend, not fxamp's: pass the LightningModule itself "
             "(lightning.pytorch.utilities.compile.to_uncompiled(model) gives it back); the "
             "plugin compiles it and its steps (compiler='inductor' unless you name another)")
+
+
+def _check_strategy(module: torch.nn.Module) -> None:
+    """Refuse, before anything changes, a strategy the plugin is not tested under: one device
+    and DDP (each process a whole model) are; FSDP, DeepSpeed, model parallelism and XLA
+    shard or wrap the model in ways fxamp's compiled steps have not been checked against."""
+    trainer = getattr(module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or (isinstance(strategy, _SUPPORTED_STRATEGIES)
+                            and not isinstance(strategy, _UNSUPPORTED_STRATEGIES)):
+        return
+    raise ConfigError(
+        f"fxamp's Lightning plugin does not support strategy {type(strategy).__name__}: it "
+        "trains under one device and DDP (strategy='auto', 'ddp', 'ddp_spawn', ...); for FSDP2 "
+        "use fxamp.compile and fxamp.optim directly (docs/distributed.md), or Lightning's own "
+        "precision plugins with that strategy")
 
 
 def _check_steps_compiled(module: torch.nn.Module, steps: tuple[str, ...]) -> None:

@@ -14,6 +14,7 @@ unless a test says otherwise.
 import copy
 import logging
 import os
+import types
 import warnings
 from unittest import mock
 
@@ -27,6 +28,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 
 import fxamp  # noqa: E402
 from fxamp.errors import ConfigError  # noqa: E402
+from fxamp.model.prepare import config_of  # noqa: E402
 from fxamp.integrations.lightning import Precision  # noqa: E402
 from fxamp.optim.scaling.scaler_protocol import OptState  # noqa: E402
 
@@ -501,3 +503,23 @@ def test_the_config_is_resolved_for_the_strategys_device(accelerator):
     assert config.device_type == accelerator and model.head.weight.device.type == accelerator
     assert config.dtype == (torch.float16 if accelerator == "cuda" else torch.bfloat16)
     assert trainer.precision == ("16-mixed" if accelerator == "cuda" else "bf16-mixed")
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed", "model_parallel", "xla"])
+def test_a_strategy_the_plugin_is_not_tested_under_is_refused_before_anything_changes(strategy):
+    # FSDP, DeepSpeed and ModelParallel need a GPU in Lightning (their Trainer refuses a CPU
+    # before the plugin is reached; DeepSpeed also its package), so the plugin is asked as the
+    # strategy's setup asks it, with Lightning's own strategy classes (not constructed).
+    from lightning.pytorch import strategies
+    made = {"fsdp": strategies.FSDPStrategy, "model_parallel": strategies.ModelParallelStrategy,
+            "deepspeed": strategies.DeepSpeedStrategy, "xla": strategies.XLAStrategy}[strategy]
+    model = Classifier()
+    model._trainer = types.SimpleNamespace(strategy=object.__new__(made))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=f"does not support strategy {made.__name__}: it "
+                                          "trains under one device and DDP"):
+        _fxamp("O2").convert_module(model)
+    assert config_of(model) is None
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype
+               for k in before)
