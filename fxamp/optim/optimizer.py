@@ -143,17 +143,12 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         log.debug("%s: param group %d added with %d buckets", owner, index, len(new))
 
     def hand_over(self) -> None:
-        """Free the buffers and states of an optimizer whose param groups another one steps now
-        (`initialize` rebuilding it over the cast or moved model; Note [Schedulers of a
-        replaced optimizer]): the lr schedulers built on it keep driving the new one through
-        the shared groups, and nothing holds two copies of the weights. Its `step` refuses
-        from then on."""
-        state = self._device_state
+        """Free the buffers and states once another optimizer steps these param groups (Note
+        [Schedulers of a replaced optimizer] in convert.py); `step` refuses from then on."""
+        state, self.handed_over = self._device_state, True
         self._device_state = DeviceState(state.device, state.fmt, fp32_masters=state.fp32_masters)
         self.state.clear()
         self.master_grads.drop()
-        self._left_out = []
-        self.handed_over = True
 
     @property
     def step_counts(self) -> torch.Tensor:
@@ -189,10 +184,7 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         if callable(scaler) and not isinstance(scaler, LossScaler):
             scaler, closure = None, scaler  # torch.optim's positional closure
         check_scaler_arg(scaler, "step")
-        if self.handed_over:
-            raise ConfigError(f"this {type(self).__name__} was replaced by the optimizer that "
-                              "fxamp.initialize (or fxamp's accelerate or transformers "
-                              "integration) built over the same param groups; step that one")
+        param_groups.check_not_handed_over(self.handed_over, type(self).__name__)
         param_groups.check_left_out(self._left_out, type(self).__name__)
         exits.resolve_unless_step_takes_exit(self)  # Note [Apex's scale_loss exits]
         exits.hand_exit_to_step(self)
