@@ -207,7 +207,8 @@ def plan(model: torch.nn.Module, example_batch: Any,
             output, grad_input or grad_weight may have in its chosen precision.
         dtype: the 16-bit dtype, "bf16" (default) or "fp16".
         recipes: the float8 recipes to consider; the plan uses the one whose plan models
-            fastest (one recipe per model: Float8Config has one).
+            fastest (one recipe per model: Float8Config has one). A recipe this torch cannot
+            run on the model's device is not considered, and the reasons say so.
         batches: more calibration batches (errors and ranges are the worst over all).
         batch_size: the training batch size the costs are modeled at, when larger than the
             calibration batch: GEMM rows (batch entries of batched GEMMs) scale with it.
