@@ -37,13 +37,6 @@ def storage_dtype(name: str, module: torch.nn.Module, config: AmpConfig) -> Opti
     return target
 
 
-def _state_dict_in_fp32(module, state_dict, prefix, local_metadata) -> None:
-    # Apex O2 returned fp32 weights from model.state_dict(), so checkpoints stay portable.
-    for key, value in state_dict.items():
-        if isinstance(value, torch.Tensor) and value.dtype in LOW_DTYPES:
-            state_dict[key] = value.float()
-
-
 def _cast_floats(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...]) -> Any:
     # Plain recursion rather than pytree: Dynamo traces it without a graph break.
     if isinstance(value, torch.Tensor):
@@ -103,7 +96,6 @@ class CastRecord:
     """What `cast_model` changed, to put back exactly (Note [Un-preparing a refused model])."""
 
     originals: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its .data before the cast)
-    hook: Optional[Any] = None  # the state_dict post hook's handle
 
     def __len__(self) -> int:
         return len(self.originals)
@@ -111,17 +103,26 @@ class CastRecord:
     def undo(self) -> None:
         for tensor, data in self.originals:
             tensor.data = data
-        if self.hook is not None:
-            self.hook.remove()
         self.release()
 
     def release(self) -> None:
         """Forget the originals (after the first successful call), freeing their memory."""
-        self.originals, self.hook = [], None
+        self.originals = []
 
 
 def cast_model(model: torch.nn.Module, config: AmpConfig) -> CastRecord:
-    """Cast floating (non-fp64) parameters and buffers in place; returns what changed."""
+    """Cast floating (non-fp64) parameters and buffers in place; returns what changed.
+
+    Note [The state dict is the live weights]: `model.state_dict()` is left as torch makes it,
+    the stored tensors themselves (16-bit at O2/O3), so code that writes into its values in
+    place (an EMA or SWA copy, weight averaging, a loader's `sd[k].copy_(...)`) changes the
+    model, as in eager torch and in Apex's amp before its 2019 O2 state-dict hook. That hook
+    (and fxamp's until issue 32) returned fp32 copies instead, which such writes never
+    reached: an EMA of an O2 model never moved. The copies held no more than the 16-bit
+    weights, so nothing is lost: `load_state_dict` casts a 16-bit checkpoint exactly into an
+    fp32 model (and an fp32 one into an O2 model), and the fp32 master weights are in the
+    optimizer's state dict (docs/backend.md, "state_dict").
+    """
     record = CastRecord([])
     for name, module in model.named_modules():
         dtype = storage_dtype(name, module, config)
@@ -132,6 +133,4 @@ def cast_model(model: torch.nn.Module, config: AmpConfig) -> CastRecord:
                     and tensor.dtype not in (torch.float64, dtype)):
                 record.originals.append((tensor, tensor.data))
                 tensor.data = tensor.data.to(dtype)
-    if config.cast_model_type in LOW_DTYPES:
-        record.hook = model.register_state_dict_post_hook(_state_dict_in_fp32)
     return record

@@ -6,8 +6,8 @@ when it fails (un-prepare at a refused first call; name a model cast after fxamp
 come from the graph: a banned op, batch_norm statistics in the wrong dtype, a graph break under
 `fullgraph=True`. They surface at the first call, after the weights were cast. So until a first
 call succeeds, the model keeps its original tensors (the cast's `CastRecord`), and a refusal at
-that call puts everything back: the original tensors (bit-identical), the state-dict hook, the
-compiled call and fxamp's marker. The user can then retry `fxamp.compile` with the fix that the
+that call puts everything back: the original tensors (bit-identical), the compiled call and
+fxamp's marker. The user can then retry `fxamp.compile` with the fix that the
 error names. Each change `fxamp.compile` makes registers its undo on one `contextlib.ExitStack`
 (the sharded modules' compiled forwards join it at the first call), closed at a refusal and
 dropped at the first success. The cost is the original tensors' memory between `fxamp.compile`

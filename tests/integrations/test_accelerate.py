@@ -153,3 +153,28 @@ def test_accumulate_and_unscale_gradients_alone():
     assert len(got) == len(ref) == 2 and int(acc.scaler.skipped_steps) == 0
     assert got == pytest.approx(ref, rel=2e-2)
     assert _moved_apart(model, ref_model) < 0.01
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_save_state_writes_every_weight_of_the_flat_buffer(tmp_path, level):
+    # Note [Flat buffers in accelerate's checkpoints]: the parameters are views of fxamp's flat
+    # buffer; accelerate's safetensors writer kept one name per storage, so save_state wrote
+    # one weight and dropped the rest silently (O1 on main; O2 hid it behind fp32 copies).
+    # Every weight is written (tied lm_head once), and load_state puts them all back.
+    acc = Accelerator(cpu=True, mixed_precision="bf16", opt_level=level, compiler="aot_eager")
+    model = tiny_gpt2.model()
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(acc, model, opt, tiny_gpt2.batches(2))
+    saved = copy.deepcopy(model.state_dict())
+    acc.save_state(tmp_path)
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "model.safetensors")
+    assert set(written) == set(saved) - {"lm_head.weight"}
+    assert all(torch.equal(written[k], saved[k]) for k in written)
+    for value in model.state_dict().values():
+        if value.is_floating_point():
+            value.zero_()
+    acc.load_state(tmp_path)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
