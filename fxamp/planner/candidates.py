@@ -13,9 +13,8 @@ import torch
 
 from fxamp.float8.gemm import float8_bmm, float8_matmul
 
-__all__ = ["GemmCall", "candidate_errors", "relative_error", "CANDIDATES", "TENSORS"]
+__all__ = ["GemmCall", "candidate_errors", "relative_error", "TENSORS"]
 
-CANDIDATES = ("bf16", "fp16", "tensorwise", "rowwise")  # fp32 is the reference itself
 TENSORS = ("output", "grad_input", "grad_weight")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
