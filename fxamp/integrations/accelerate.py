@@ -89,8 +89,8 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
         """accelerate's `prepare`, with fxamp's opt level applied first to the models not yet
-        compiled by fxamp and to the torch optimizers (built on those models' parameters).
-        Build lr schedulers on the optimizers it returns (or pass them in the same call)."""
+        compiled by fxamp and to the optimizers (`apply_amp`). lr schedulers built on the
+        optimizers given, passed in the same call or later, drive the ones it returns."""
         args = self.apply_amp(*args)
         return super().prepare(*args, device_placement=device_placement)
 
