@@ -320,3 +320,23 @@ def test_an_fxamp_optimizer_rebuilt_over_the_cast_model_hands_over():
                                           "fxamp.initialize .* built over the same param "
                                           "groups; step that one"):
         opt.step()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_replaced_torch_optimizer_refuses_to_step_before_changing_anything(level):
+    # Apex's initialize patched the optimizer it was given; fxamp returns a new one. A script
+    # that keeps stepping its own variable would update the parameters a second time with
+    # fresh moments (no masters at O2): refused, naming the fix, with nothing changed.
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, new = _init(model, opt, opt_level=level)
+    with fo.scale_loss(loss_of(model, 0), new) as loss:
+        loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match="this AdamW was replaced by the optimizer that "
+                                          "fxamp.initialize .* step that one"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not opt.state
+    new.step()  # the returned one steps
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

@@ -11,7 +11,9 @@ optimizer's `param_groups` become the fused optimizer's own list: every schedule
 torch optimizer, found by fxamp or not, drives the optimizer that trains, whose step reads its
 hyperparameters from its groups at every step. The keys a scheduler added are kept; only
 torch's flags (foreach, fused, ...) are dropped. The torch optimizer itself must not be stepped
-any more (its parameters are the fused optimizer's now), as after Apex's initialize.
+any more (its parameters are the fused optimizer's now): its `step` refuses, naming the fix,
+before it changes anything (a step pre-hook, torch's public one), where it would otherwise
+update the parameters a second time with fresh moments, silently.
 
 Two more things follow the schedulers. torch's scheduler warns at its first `step()` when the
 optimizer it was built on never stepped ("Detected call of `lr_scheduler.step()` before
@@ -31,7 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from fxamp import _compat
-from fxamp.optim import optimizers
+from fxamp.optim import optimizers, param_groups
 from fxamp.optim.optimizer import FusedOptimizer
 
 __all__ = ["fused_class", "to_fused"]
@@ -78,7 +80,15 @@ def to_fused(opt: torch.optim.Optimizer, cls: type, *, master_weights: bool,
     new.register_step_post_hook(_tell_schedulers_of(opt))
     if isinstance(opt, FusedOptimizer):
         opt.hand_over()
+    else:  # its own step refuses before it changes anything (a pre-hook raises first)
+        opt.register_step_pre_hook(_refuse_step)
     return new
+
+
+def _refuse_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A replaced torch optimizer's step: its groups are the fused optimizer's now, and a step
+    would update the same parameters a second time, with fresh moments and no masters."""
+    param_groups.check_not_handed_over(True, type(optimizer).__name__)
 
 
 def _tell_schedulers_of(replaced: torch.optim.Optimizer) -> Callable[..., None]:
