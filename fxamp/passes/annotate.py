@@ -16,7 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from fxamp._compat import ENTER_AUTOCAST, EXIT_AUTOCAST, OpOverload, python_dispatcher, pytree
+from fxamp._compat import (ENTER_AUTOCAST, EXIT_AUTOCAST, OpOverload, python_dispatcher,
+                           pytree, same_layout)
 from fxamp.config import AmpConfig
 from fxamp.errors import FxampError
 from fxamp.passes.aliasing import Aliasing
@@ -248,8 +249,29 @@ def _annotate_graph(gm: fx.GraphModule, config: AmpConfig, fake_mode,
         env[node] = decision.val
         if decision.restore_output is not None:
             with fake_mode:
-                env[node] = decision.val.to(decision.restore_output)
+                env[node] = _traced_if_same(decision.val.to(decision.restore_output), node)
     return changed, None
+
+
+def _traced_if_same(value: Any, node: fx.Node) -> Any:
+    """`value`, or the node's traced value where they are laid out alike.
+
+    Note [Propagating only what changed]: a node is propagated again (`_run`) when it gets
+    casts or when one of its inputs is a value other than the traced one. Without this, the
+    first cast would make every later node a re-run, even where the dtypes came out as traced
+    (at O2 almost all of them: the weights and activations are 16-bit when traced). Handing
+    on the traced value wherever the new one has its dtype, sizes, strides and device keeps
+    the re-runs to the nodes whose values really changed.
+    """
+    traced = node.meta.get("val")
+    new_leaves, spec = pytree.tree_flatten(value)
+    old_leaves, old_spec = pytree.tree_flatten(traced)
+    if spec != old_spec or not all(
+            new is old or (isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor)
+                           and same_layout(new, old))
+            for new, old in zip(new_leaves, old_leaves)):
+        return value
+    return traced
 
 
 def _fetch(gm: fx.GraphModule, node: fx.Node) -> Any:
@@ -277,6 +299,8 @@ def _node_decision(node, vals, config, fake_mode, user_autocast,
                 decision.val = _run(node, vals, decision, fake_mode)
         except Exception as e:
             raise FxampError(f"annotate: {node.format_node()}") from e
+        if not decision.restore_output:
+            decision.val = _traced_if_same(decision.val, node)
     else:
         decision.val = node.meta.get("val")
     return decision, 0

@@ -1,12 +1,13 @@
-"""The fused mixed-precision step as two pure functions of flat tensors, compiled once each.
+"""The fused mixed-precision step as two pure functions of flat tensors, compiled once per kind.
 
 `prologue` reduces over the gradients once (overflow flag, the norm when clipping), advances the
-step count and the loss scale and turns the hyperparameters into a tensor of per-group scalars;
-`update` makes one elementwise pass over gradients, weights and states. A skipped step is a
-select inside `update`; each optimizer compiles its own copies (`compiled()`).
+step count and the loss scale and turns the hyperparameters into a row of per-step scalars for
+each bucket; `update` makes one elementwise pass over one bucket's gradients, weights and states.
+A skipped step is a select inside `update`. Every optimizer of the process shares the compiled
+functions (`compiled()`), one graph per kind of call, whatever the sizes.
 
 Design (docs/design.md): Note [Hoisting per-step scalars], Note [Skipping without a host read],
-Note [One compiled step per optimizer].
+Note [One compiled step per kind].
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from fxamp._compat import compile_fresh, recompute_pointwise_options
+from fxamp._compat import recompute_pointwise_options
 from fxamp.optim import distributed
 from fxamp.optim.functional import codecs
+from fxamp.optim.functional.kinds import CompiledPerKind
 from fxamp.optim.functional.scale_rule import ScaleRule, after_step, scale_is_valid
 
 __all__ = ["prologue", "update", "fold_grads", "gather_grads", "unscale_grads", "inverse",
@@ -42,12 +44,13 @@ def prologue(grads: Sequence[Tensor], state: StepState,
              scaler_state: Optional[tuple[Tensor, ...]],
              found_in: Optional[Tensor], *,
              coefs_fn: Callable[[Tensor, Tensor], Tensor], check: bool,
-             max_norm: Optional[float], rule: Optional[ScaleRule], group: Any = None,
-             sharded: Sequence[bool] = ()) -> Tensor:
-    """Reductions and per-step scalars; returns the [groups, K + 3] scalars for `update`.
+             max_norm: Optional[Tensor], rule: Optional[ScaleRule], groups: Sequence[int],
+             group: Any = None, sharded: Sequence[bool] = ()) -> tuple[Tensor, ...]:
+    """Reductions and per-step scalars; returns, for each bucket (`groups`: its param group),
+    the K + 3 scalars `update` reads (its group's coefficients, then STEP, GRAD_SCALE, SKIP).
 
     `found_in` is an overflow already seen (by `fold_grads`); the scale update only runs for
-    `scaler_state`, whose scale the gradients carry. With a process `group`, the flag and the
+    `scaler_state`, whose scale the gradients carry; `max_norm` (0-dim fp32) clips the norm. With a process `group`, the flag and the
     norm of the `sharded` buckets are reduced over it (Note [Agreeing on overflow across ranks]
     in distributed.py).
     """
@@ -84,50 +87,51 @@ def prologue(grads: Sequence[Tensor], state: StepState,
     if scaler_state is not None and rule.moves:
         for dst, src in zip(scaler_state, after_step(scaler_state, found, rule)):
             dst.copy_(src)
-    return torch.cat([coefs, tail], 1)
+    table = torch.cat([coefs, tail], 1)
+    return tuple(table[g].clone() for g in groups)  # own outputs, not views of `table`
 
 
 class BucketArgs(NamedTuple):
-    """What `update` reads and writes of one bucket."""
+    """What `update` reads and writes of one bucket: its full-size buffers as [blocks, ALIGN]
+    views (Note [Blocks of ALIGN in the compiled update]), per-block ones flat."""
 
     weights: tuple[Tensor, ...]  # the master or parameters (and a 16-bit master's correction)
     grad: Tensor
     states: tuple[tuple[Tensor, ...], ...]  # per state, one buffer or int8 codes and scales
     model: Optional[Tensor]  # the parameters, written from a separate master; else None
-    group: int  # the param group: its row of the prologue's scalars
     aux: tuple  # the rule's constants for this bucket (Algorithm.aux)
     master: str  # the weights' kind (codecs.decode_master)
+    stream_keys: Tensor  # int64: the master's and each state's codecs.stream_key
 
 
-def update(buckets: Sequence[BucketArgs], coefs: Tensor, *, update_fn: Callable,
-           unsigned: Sequence[bool], stochastic: Sequence[bool] = (), seed: int = 0) -> None:
-    """One elementwise pass per bucket: decode the weights and states, unscale and clip the
-    gradient, apply the rule, encode, select the old values when skipping, write the weights,
-    the states and the model copy.
+def update(bucket: BucketArgs, c: Tensor, *, update_fn: Callable, unsigned: Sequence[bool],
+           stochastic: Sequence[bool] = ()) -> None:
+    """One elementwise pass over one bucket, `c` its row of the prologue's scalars: decode the
+    weights and states, unscale and clip the gradient, apply the rule, encode, select the old
+    values when skipping, write the weights, the states and the model copy.
 
-    A bucket's weights are decoded by its master kind (Note [16-bit masters] in docs/design.md);
+    The weights are decoded by their master kind (Note [16-bit masters] in docs/design.md);
     each state is a tuple of buffers (one, or int8 codes and scales, Note [8-bit moments]);
     `unsigned[k]` says whether state k is non-negative, `stochastic[k]` whether it is rounded
     stochastically (Note [Rounding compact moments stochastically] in docs/design.md).
     """
-    for i, (w, g, st, model, gi, ax, master) in enumerate(buckets):
-        c = coefs[gi]
-        skip = c[SKIP] != 0
-        new_w, new_st = update_fn(codecs.decode_master(w, master),
-                                  g.float() * c[GRAD_SCALE],
-                                  tuple(codecs.decode_state(s, u) for s, u in zip(st, unsigned)),
-                                  c, *ax)
+    w, g, st, model, ax, master, keys = bucket
+    skip = c[SKIP] != 0
+    new_w, new_st = update_fn(codecs.decode_master(w, master), g.float() * c[GRAD_SCALE],
+                              tuple(codecs.decode_state(s, u) for s, u in zip(st, unsigned)),
+                              c, *ax)
+    bits = None
+    if master == "stochastic":
+        bits = codecs.stream_bits(w[0].shape, keys[0], c[STEP], False)
+    _write(w, codecs.encode_master(new_w, w, master, bits), skip)
+    for k, (s, new, u) in enumerate(zip(st, new_st, unsigned)):
         bits = None
-        if master == "stochastic":
-            bits = codecs.random_bits(w[0].numel(), seed, c[STEP], codecs.master_stream(i))
-        _write(w, codecs.encode_master(new_w, w, master, bits), skip)
-        for k, (s, new, u) in enumerate(zip(st, new_st, unsigned)):
-            bits = None
-            if k < len(stochastic) and stochastic[k]:
-                bits = codecs.random_bits(new.numel(), seed, c[STEP], codecs.state_stream(i, k))
-            _write(s, codecs.encode_state(new, s, u, bits), skip)
-        if model is not None:
-            model.copy_(torch.where(skip, model, new_w.to(model.dtype)))
+        if k < len(stochastic) and stochastic[k]:
+            bits = codecs.stream_bits(new.shape, keys[1 + k], c[STEP],
+                                      codecs.high_half(codecs.state_stream(0, k)))
+        _write(s, codecs.encode_state(new, s, u, bits), skip)
+    if model is not None:
+        model.copy_(torch.where(skip, model, new_w.to(model.dtype)))
 
 
 def _write(bufs: Sequence[Tensor], new: Sequence[Tensor], skip: Tensor) -> None:
@@ -201,24 +205,24 @@ _STEP_FNS = (prologue, update, fold_grads, gather_grads, unscale_grads)
 
 @dataclasses.dataclass(frozen=True)
 class StepFns:
-    """The step's functions for one optimizer, by name: compiled (`compiled()`) or plain
-    (`eager`)."""
+    """The step's functions by name: compiled (`compiled()`) or plain (`eager`)."""
 
-    prologue: Callable[..., Tensor]
+    prologue: Callable[..., tuple[Tensor, ...]]
     update: Callable[..., None]
     fold_grads: Callable[..., None]
     gather_grads: Callable[..., None]
     unscale_grads: Callable[..., None]
 
 
-def compiled() -> StepFns:
-    """`prologue`, `update`, `fold_grads`, `gather_grads` and `unscale_grads` compiled for one
-    optimizer, with Dynamo caches of their own (Note [One compiled step per optimizer]); each
-    compiles when it is first called."""
-    options = {update: recompute_pointwise_options()}  # Note [A codec the CPU runs fast]
-    return StepFns(**{fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False,
-                                                 options=options.get(fn))
-                      for fn in _STEP_FNS})
-
-
 eager = StepFns(**{fn.__name__: fn for fn in _STEP_FNS})
+
+# Note [A codec the CPU runs fast]: the update recomputes pointwise values rather than store them.
+_COMPILED = StepFns(**{fn.__name__: CompiledPerKind(
+    fn, recompute_pointwise_options if fn is update else None) for fn in _STEP_FNS})
+
+
+def compiled() -> StepFns:
+    """`prologue`, `update`, `fold_grads`, `gather_grads` and `unscale_grads` compiled once per
+    kind of call and shared by every optimizer of the process (Note [One compiled step per
+    kind]); each kind compiles when it is first called."""
+    return _COMPILED
