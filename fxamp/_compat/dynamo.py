@@ -44,8 +44,8 @@ def compile_fresh(fn: Callable, **compile_kwargs: Any) -> Callable:
     share its code object. A copy of the code object (equal, not identical) starts an empty
     cache that dies with the returned function. Checked on 2.11.0, 2.13.0, 2.14.1
     (tests/test_compat.py: twelve copies each take a graph of their own, one function taking
-    the same twelve graphs hits the limit). See Note [One compiled step per optimizer] in
-    fxamp/optim/functional/fused_step.py.
+    the same twelve graphs hits the limit). See Note [One compiled step per kind] in
+    docs/design.md.
     """
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                               fn.__defaults__, fn.__closure__)

@@ -21,10 +21,11 @@ from fxamp._compat import recompute_pointwise_options
 from fxamp.optim import distributed
 from fxamp.optim.functional import codecs
 from fxamp.optim.functional.kinds import CompiledPerKind
-from fxamp.optim.functional.scale_rule import ScaleRule, after_step, scale_is_valid
+from fxamp.optim.functional.scale_rule import (ScaleRule, after_step, compiled_update,
+                                               scale_is_valid)
 
 __all__ = ["prologue", "update", "fold_grads", "gather_grads", "unscale_grads", "inverse",
-           "compiled", "eager", "StepFns", "StepState", "BucketArgs"]
+           "compiled", "forget_compiled", "eager", "StepFns", "StepState", "BucketArgs"]
 
 Tensor = torch.Tensor
 # Columns the prologue appends to every group's row of scalars.
@@ -219,6 +220,14 @@ eager = StepFns(**{fn.__name__: fn for fn in _STEP_FNS})
 # Note [A codec the CPU runs fast]: the update recomputes pointwise values rather than store them.
 _COMPILED = StepFns(**{fn.__name__: CompiledPerKind(
     fn, recompute_pointwise_options if fn is update else None) for fn in _STEP_FNS})
+
+
+def forget_compiled() -> None:
+    """Drop the compiled step functions and loss-scale update of every kind, so that the next
+    optimizer compiles its own as the first of a process would (benchmarks of a cold compile)."""
+    for fn in dataclasses.astuple(_COMPILED):
+        fn.forget()
+    compiled_update().forget()
 
 
 def compiled() -> StepFns:
