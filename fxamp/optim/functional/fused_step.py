@@ -21,8 +21,8 @@ from fxamp._compat import recompute_pointwise_options
 from fxamp.optim import distributed
 from fxamp.optim.functional import codecs
 from fxamp.optim.functional.kinds import CompiledPerKind
-from fxamp.optim.functional.scale_rule import (ScaleRule, after_step, compiled_update,
-                                               scale_is_valid)
+from fxamp.optim.functional.scale_rule import (ScaleRule, after_step,
+                                               forget_compiled_update, scale_is_valid)
 
 __all__ = ["prologue", "update", "fold_grads", "gather_grads", "unscale_grads", "inverse",
            "compiled", "forget_compiled", "eager", "StepFns", "StepState", "BucketArgs"]
@@ -217,17 +217,22 @@ class StepFns:
 
 eager = StepFns(**{fn.__name__: fn for fn in _STEP_FNS})
 
-# Note [A codec the CPU runs fast]: the update recomputes pointwise values rather than store them.
-_COMPILED = StepFns(**{fn.__name__: CompiledPerKind(
-    fn, recompute_pointwise_options if fn is update else None) for fn in _STEP_FNS})
+def _compile_per_kind() -> StepFns:
+    # Note [A codec the CPU runs fast]: the update recomputes pointwise values, not stores them.
+    return StepFns(**{fn.__name__: CompiledPerKind(
+        fn, recompute_pointwise_options if fn is update else None) for fn in _STEP_FNS})
+
+
+_COMPILED = _compile_per_kind()
 
 
 def forget_compiled() -> None:
-    """Drop the compiled step functions and loss-scale update of every kind, so that the next
-    optimizer compiles its own as the first of a process would (benchmarks of a cold compile)."""
-    for fn in dataclasses.astuple(_COMPILED):
-        fn.forget()
-    compiled_update().forget()
+    """Start new caches of compiled step functions and loss-scale updates: optimizers and
+    scalers built from now on compile their kinds again, as the first of a process would
+    (benchmarks of a cold compile); those built before keep theirs."""
+    global _COMPILED
+    _COMPILED = _compile_per_kind()
+    forget_compiled_update()
 
 
 def compiled() -> StepFns:

@@ -62,11 +62,6 @@ class CompiledPerKind:
             self._compiled[kind] = compiled
         return compiled(*args, **kwargs)
 
-    def forget(self) -> None:
-        """Drop every compiled kind: each compiles again at its next call (benchmarks that
-        measure a cold compile; Inductor's on-disk caches are left as they are)."""
-        self._compiled.clear()
-
     @property
     def kinds(self) -> int:
         """How many kinds were compiled so far in this process."""

@@ -17,6 +17,7 @@ from fxamp.optim.functional.kinds import CompiledPerKind
 
 __all__ = ["ScaleRule", "SEMANTICS", "UNSET", "DEFAULT_MIN_LOSS_SCALE", "build_rule",
            "next_scale_state", "after_step", "update_in_place", "compiled_update",
+           "forget_compiled_update",
            "check_scale_value", "check_new_scale", "check_growth_factor", "check_backoff_factor",
            "check_growth_interval", "scale_is_valid"]
 
@@ -133,6 +134,12 @@ def compiled_update() -> CompiledPerKind:
     consecutive; its numbers are symbols) and shared by every LossScaler of the process
     (Note [One compiled step per kind] in docs/design.md)."""
     return _COMPILED_UPDATE
+
+
+def forget_compiled_update() -> None:
+    """A new cache for `compiled_update` (fused_step.forget_compiled)."""
+    global _COMPILED_UPDATE
+    _COMPILED_UPDATE = CompiledPerKind(update_in_place)
 
 
 def build_rule(semantics: str, dynamic: bool, consecutive_hysteresis: bool,
