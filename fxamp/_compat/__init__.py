@@ -48,7 +48,8 @@ __all__ = [
     "own_tensors", "PARTITIONER_TAG", "python_dispatcher", "pytree",
     "recompute_pointwise_options", "record_node", "rename_node", "retrace_subgraph",
     "run_and_get_code", "same_layout", "scaled_mm", "scaled_mm_refusal", "SEQ_NR",
-    "set_compiled_call", "SET_GRAD_ENABLED", "size_hint", "size_rule_holds", "split_returned_input", "storage_key",
+    "set_compiled_call", "SET_GRAD_ENABLED", "size_hint", "size_rule_holds",
+    "split_returned_input", "storage_key",
     "TorchDispatchMode", "traced_record", "unscale_and_check_", "unsharded_class",
     "Unsupported", "UserError", "without_donated_buffers"
 ]

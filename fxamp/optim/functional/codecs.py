@@ -22,7 +22,7 @@ from fxamp.optim.buffers.bucket import ALIGN
 
 __all__ = ["BLOCK", "new_state", "decode_state", "encode_state", "new_correction",
            "decode_master", "encode_master", "random_bits", "stream_bits", "stream_key",
-           "bucket_stream_keys", "high_half", "master_stream", "state_stream"]
+           "bucket_stream_keys", "high_half", "state_half", "master_stream", "state_stream"]
 
 Tensor = torch.Tensor
 # Elements per scale of an 8-bit moment: the flat layout's alignment, so that a block never
@@ -209,6 +209,11 @@ def bucket_stream_keys(seed: int, bucket: int, n_states: int) -> list[int]:
 def high_half(stream: int) -> bool:
     """Whether `stream` takes the high 16 bits of its hash word."""
     return bool(stream & 1)
+
+
+def state_half(state: int) -> bool:
+    """`high_half` of state `state`'s stream, the same in every bucket."""
+    return high_half(state_stream(0, state))
 
 
 def random_bits(numel: int, seed: int, step: Tensor, stream: int) -> Tensor:

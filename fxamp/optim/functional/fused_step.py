@@ -51,9 +51,9 @@ def prologue(grads: Sequence[Tensor], state: StepState,
     the K + 3 scalars `update` reads (its group's coefficients, then STEP, GRAD_SCALE, SKIP).
 
     `found_in` is an overflow already seen (by `fold_grads`); the scale update only runs for
-    `scaler_state`, whose scale the gradients carry; `max_norm` (0-dim fp32) clips the norm. With a process `group`, the flag and the
-    norm of the `sharded` buckets are reduced over it (Note [Agreeing on overflow across ranks]
-    in distributed.py).
+    `scaler_state`, whose scale the gradients carry; `max_norm` (0-dim fp32) clips the norm.
+    With a process `group`, the flag and the norm of the `sharded` buckets are reduced over it
+    (Note [Agreeing on overflow across ranks] in distributed.py).
     """
     step = state.step
     found = torch.zeros((), dtype=torch.bool, device=step.device)
@@ -128,8 +128,7 @@ def update(bucket: BucketArgs, c: Tensor, *, update_fn: Callable, unsigned: Sequ
     for k, (s, new, u) in enumerate(zip(st, new_st, unsigned)):
         bits = None
         if k < len(stochastic) and stochastic[k]:
-            bits = codecs.stream_bits(new.shape, keys[1 + k], c[STEP],
-                                      codecs.high_half(codecs.state_stream(0, k)))
+            bits = codecs.stream_bits(new.shape, keys[1 + k], c[STEP], codecs.state_half(k))
         _write(s, codecs.encode_state(new, s, u, bits), skip)
     if model is not None:
         model.copy_(torch.where(skip, model, new_w.to(model.dtype)))
