@@ -77,7 +77,9 @@ def _tests(out: str, smoke: bool) -> list[Part]:
     files = ({"gpu": "tests/gpu"} if smoke else  # without CUDA the files only skip: one part
              {"optim": "tests/gpu/test_cuda_optim.py", "autocast": "tests/gpu/test_cuda_parity.py",
               "planner": "tests/gpu/test_planner_roofline.py"})
-    return [Part(f"tests-{name}", _module("pytest", "-m", "gpu", path, "-v", "-s", "-p",
+    # -n 0: one process (pyproject's addopts start a worker per core: GPU tests time and count
+    # kernels, and must have the GPU to themselves)
+    return [Part(f"tests-{name}", _module("pytest", "-m", "gpu", path, "-v", "-s", "-n", "0", "-p",
                                           "no:cacheprovider", f"--junitxml={out}/tests-{name}.xml"),
                  f"{out}/tests-{name}.xml") for name, path in files.items()]
 

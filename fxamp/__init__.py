@@ -9,7 +9,7 @@ from fxamp.errors import BannedOpError, ConfigError, EagerRegionWarning, FxampEr
 from fxamp.policy import CastPolicy
 from fxamp.explain import Explanation, explain
 from fxamp.debug import Healer, SkipMonitor, locate_overflow, range_stats
-from fxamp import distributed, optim
+from fxamp import distributed, optim, viewer
 from fxamp.optim import (LossScaler, initialize, load_state_dict, master_params, scale_loss,
                          state_dict)
 from fxamp.planner import PrecisionPlan, Target
@@ -36,6 +36,7 @@ __all__ = [
     "range_stats",
     "distributed",
     "optim",
+    "viewer",
     "LossScaler",
     "initialize",
     "scale_loss",

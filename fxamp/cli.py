@@ -6,6 +6,10 @@ current directory first, then on PYTHONPATH. For example:
 
     python -m fxamp explain examples.models:mlp --opt-level O2 --backward
 
+`--view` shows the graphs in Google's Model Explorer instead of printing them, `--save FILE`
+writes that view to a file, and `python -m fxamp view FILE` shows a saved one (docs/explain.md,
+"In a graph viewer").
+
 Exit status: 0 after printing the report; 2 for bad input (a target that cannot be loaded, or
 an option fxamp refuses, with fxamp's ConfigError message); 1 when fxamp refuses the model
 (an FxampError such as BannedOpError, whose message names the node and the fix). Either error
@@ -25,8 +29,10 @@ import torch
 from fxamp.model.compiled_call import fxamp_error
 from fxamp.config import OPT_LEVELS, AmpConfig
 from fxamp.errors import ConfigError, FxampError
+from fxamp.debug.locate import locate_overflow
 from fxamp.explain import explain
 from fxamp.policy import PRESETS
+from fxamp.viewer import GraphView, ViewerMissing, show
 
 __all__ = ["main", "build_parser", "load_target", "TargetError"]
 
@@ -74,6 +80,33 @@ def _add_explain(subparsers: Any) -> None:
                    help="ATen op like aten.softmax or aten.softmax.int -> policy; repeatable")
     p.add_argument("--backward", action="store_true",
                    help="also run backward and print the backward graphs")
+    p.add_argument("--ranges", action="store_true",
+                   help="also measure every op's values against the fp16 limits "
+                        "(fxamp.range_stats)")
+    p.add_argument("--locate-overflow", action="store_true",
+                   help="with --view or --save: also run fxamp.locate_overflow on the inputs "
+                        "and mark the op that produced the first inf/NaN")
+    p.add_argument("--view", action="store_true",
+                   help='show the graphs in Model Explorer (pip install "fxamp[viewer]") on '
+                        "127.0.0.1 until Ctrl+C, instead of printing the report")
+    p.add_argument("--save", metavar="FILE",
+                   help="write the graph view to FILE (JSON) for `python -m fxamp view FILE`")
+    _add_server_options(p)
+
+
+def _add_server_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--port", type=int, help="port of the viewer (default: a free one)")
+    p.add_argument("--no-browser", action="store_true",
+                   help="do not open the viewer's page in a web browser")
+
+
+def _add_view(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "view", help="show a graph view saved with --save or Explanation.save in Model Explorer",
+        description='Serve FILE with Model Explorer (pip install "fxamp[viewer]") on '
+                    "127.0.0.1 until Ctrl+C.")
+    p.add_argument("file", metavar="FILE", help="a view written by --save or .save(path)")
+    _add_server_options(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        parser_class=_Parser)
     _add_explain(subparsers)
+    _add_view(subparsers)
     return parser
 
 
@@ -121,10 +155,41 @@ def _config(args: argparse.Namespace) -> AmpConfig:
         k: v for k, v in options.items() if v not in (None, {})})
 
 
+def _show(view: Any, args: argparse.Namespace) -> str:
+    viewer = show(view, port=args.port, open_browser=not args.no_browser, wait=False)
+    try:  # Ctrl+C, whenever it comes, stops the server and exits 0
+        sys.stdout.write(f"Model Explorer at {viewer.url}\n(Ctrl+C stops it)\n")
+        sys.stdout.flush()
+        viewer.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        viewer.stop()
+    return ""
+
+
 def _run_explain(args: argparse.Namespace) -> str:
+    if args.locate_overflow and not (args.view or args.save):
+        raise TargetError("--locate-overflow marks the op in the graph view: add --view or "
+                          "--save FILE")
     config = _config(args)  # before importing TARGET: a typo fails fast, not after model setup
     model, inputs = load_target(args.target)
-    return str(explain(model, *inputs, config=config, backward=args.backward))
+    report = explain(model, *inputs, config=config, backward=args.backward,
+                     ranges=args.ranges)
+    if not (args.view or args.save):
+        return str(report)
+    overflow = locate_overflow(model, inputs, config=config) if args.locate_overflow else None
+    view = report.graph_view(overflow=overflow)
+    out = f"saved {view.save(args.save)}" if args.save else ""
+    return _show(view, args) if args.view else out
+
+
+def _run_view(args: argparse.Namespace) -> str:
+    try:
+        view = GraphView.load(args.file)
+    except OSError as e:
+        raise ConfigError(f"cannot read {args.file!r}: {e.strerror}") from None
+    return _show(view, args)
 
 
 def _refusal(error: BaseException) -> Optional[FxampError]:
@@ -144,13 +209,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        report = _run_explain(args)
-    except (TargetError, ConfigError) as e:
+        report = _run_explain(args) if args.command == "explain" else _run_view(args)
+    except (TargetError, ConfigError, ViewerMissing) as e:
         _fail(parser, 2, e)
     except Exception as e:
         refusal = _refusal(e)
         if refusal is None:
             raise
         _fail(parser, 1, refusal)
-    sys.stdout.write(report + "\n")
+    if report:
+        sys.stdout.write(report + "\n")
     return 0

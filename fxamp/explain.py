@@ -14,6 +14,7 @@ from fxamp.backend import CompiledGraph
 from fxamp.config import AmpConfig
 from fxamp.model.eager_regions import eager_policy, untraced_modules
 from fxamp.debug.ranges import range_stats
+from fxamp.debug.report import OverflowReport
 from fxamp.passes.annotate import FXAMP_META, short_dtype
 from fxamp.passes.float8 import FLOAT8_META, GemmChoice, is_float8_gemm
 from fxamp.passes.hops import policy_bodies
@@ -21,7 +22,9 @@ from fxamp.passes.printing import format_graph
 from fxamp.provenance import module_of
 from fxamp.model.prepare import CompileSettings, prepare, requested_config
 from fxamp.policy import CastPolicy
+from fxamp.planner.plan import PrecisionPlan
 from fxamp.policy.rules import is_compute_op
+from fxamp.viewer import GraphView, Viewer, graph_view, show
 
 __all__ = ["explain", "Explanation", "OpRow"]
 
@@ -84,13 +87,47 @@ class Explanation:
                           f"float8: {sum(g.float8 for g in self.gemms)} of {len(self.gemms)} "
                           f"GEMMs, {100 * self.float8_flop_share:.1f} % of GEMM FLOPs"])
 
+    @property
+    def headline(self) -> str:
+        """The report's first two lines: the resolved config, then the totals."""
+        c = self.config
+        return (f"fxamp {c.opt_level} | dtype {short_dtype(c.dtype)} | policy {c.policy} | "
+                f"device {c.device_type}\n"
+                f"graphs: {len(self.graphs)} | graph breaks: {self.graph_breaks} | "
+                f"casts inserted: {self.casts_inserted} (+{self.boundary_casts} at the model "
+                f"boundary) | ops kept in fp32: {self.ops_in_fp32}")
+
+    def graph_view(self, *, overflow: Optional[OverflowReport] = None,
+                   plan: Optional[PrecisionPlan] = None) -> GraphView:
+        """The graphs and overlays Model Explorer shows (`fxamp.viewer.graph_view`): the
+        dtypes, the value ranges with `ranges=True`, and a `locate_overflow` report or a
+        `fxamp.plan` plan of the same model, if given."""
+        return graph_view(self, overflow=overflow, plan=plan)
+
+    def save(self, path: str, *, overflow: Optional[OverflowReport] = None,
+             plan: Optional[PrecisionPlan] = None) -> str:
+        """Write the graph view to `path` (JSON, no viewer needed), for `python -m fxamp view
+        PATH` later or elsewhere; returns the absolute path."""
+        return self.graph_view(overflow=overflow, plan=plan).save(path)
+
+    def view(self, *, overflow: Optional[OverflowReport] = None,
+             plan: Optional[PrecisionPlan] = None, **options: Any) -> Viewer:
+        """Show the graphs after fxamp in Google's Model Explorer, on a server on 127.0.0.1:
+        grouped by module, every node in the colour of the dtype it runs in, fxamp's casts
+        outlined, each node's policy and why in its side panel, and the overlays of
+        `graph_view`. Needs `pip install "fxamp[viewer]"` (ImportError saying so otherwise).
+
+        Args:
+            overflow, plan: as for `graph_view`.
+            **options: `port`, `open_browser` (True), `wait` (True: until Ctrl+C; False
+                returns the running Viewer, stopped by `.stop()` or a `with` block),
+                `timeout`; see `fxamp.viewer.show`.
+        """
+        return show(self.graph_view(overflow=overflow, plan=plan), **options)
+
     def __str__(self) -> str:
         c = self.config
-        out = [f"fxamp {c.opt_level} | dtype {short_dtype(c.dtype)} | policy {c.policy} | "
-               f"device {c.device_type}",
-               f"graphs: {len(self.graphs)} | graph breaks: {self.graph_breaks} | "
-               f"casts inserted: {self.casts_inserted} (+{self.boundary_casts} at the model "
-               f"boundary) | ops kept in fp32: {self.ops_in_fp32}"]
+        out = self.headline.splitlines()
         out += [f"  break: {r.splitlines()[0]}" for r in self.break_reasons]
         if self.eager_modules:
             out += [f"!! run eagerly, not traced by Dynamo: {', '.join(self.eager_modules)}; "

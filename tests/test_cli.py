@@ -7,7 +7,11 @@ from pathlib import Path
 
 import pytest
 
+import fxamp
+from examples import models
 from fxamp.cli import main
+from fxamp.viewer import GraphView
+from fxamp.viewer import server as viewer_server
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,3 +96,35 @@ def test_banned_op_exits_1_with_the_fix(capsys, tmp_path, monkeypatch):
     assert code == 1 and out == ""
     assert err.startswith("python -m fxamp: error: aten.binary_cross_entropy.default")
     assert "binary_cross_entropy_with_logits" in err and err.count("\n") == 1
+
+
+def test_explain_save_writes_the_view_with_its_overlays(tmp_path):
+    path = tmp_path / "planted.json"
+    result = run_cli("explain", "examples.viewer:planted_overflow", "--dtype", "fp16",
+                     "--ranges", "--locate-overflow", "--save", str(path))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"saved {path}\n"
+    view = GraphView.load(str(path))
+    assert view.label == "fxamp O1 | dtype f16 | policy torch-cpu | device cpu"
+    assert view.overlay("first inf or NaN") == {
+        "forward 0": {"results": {"matmul": {"value": "here", "bgColor": "#e31a1c"}}}}
+
+
+def test_locate_overflow_needs_a_view(capsys):
+    code, out, err = run_main(capsys, "explain", "examples.models:mlp", "--locate-overflow")
+    assert (code, out) == (2, "")
+    assert err == ("python -m fxamp: error: --locate-overflow marks the op in the graph view: "
+                   "add --view or --save FILE\n")
+
+
+def test_view_without_model_explorer_says_how_to_install(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(viewer_server.importlib.util, "find_spec", lambda name: None)
+    model, inputs = models.mlp()
+    path = fxamp.explain(model, *inputs).save(str(tmp_path / "mlp.json"))
+    code, out, err = run_main(capsys, "view", path)
+    assert (code, out) == (2, "")
+    assert err == ("python -m fxamp: error: fxamp's graph viewer needs Model Explorer: pip "
+                   'install "fxamp[viewer]" (Model Explorer, the package ai-edge-model-explorer)'
+                   "; .save(path) writes the same view without it\n")
+    code, _, err = run_main(capsys, "view", str(tmp_path / "missing.json"))
+    assert code == 2 and "cannot read" in err and "No such file" in err

@@ -121,7 +121,7 @@ def test_csv_export(tmp_path):
     assert len(rows) == len(table.rows)
     assert list(rows[0]) == ["phase", "graph", "node", "op", "source_op", "module", "dtype",
                              "numel", "max_abs", "overflow", "underflow", "subnormal",
-                             "nonfinite", "risk"]
+                             "nonfinite", "source_node", "risk"]
     for parsed, row in zip(rows, table.rows):
         assert float(parsed["max_abs"]) == row.max_abs and parsed["risk"] == row.risk
     assert [r.node for r in table.at_risk()] == [r["node"] for r in rows if r["risk"]]

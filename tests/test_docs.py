@@ -9,7 +9,7 @@ import doc_snippets
 # run for real by the examples they link to).
 PAGES = ["docs/opt_levels.md", "docs/op_policy.md", "docs/backend.md", "docs/explain.md",
          "docs/float8.md", "docs/optimizer_memory.md", "docs/migrating_from_apex.md",
-         "docs/integrations.md"]
+         "docs/integrations.md", "docs/planner.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)

@@ -1,7 +1,9 @@
 """The examples run as a user runs them (`python -m examples.NAME`) and print what they promise.
 
 examples/digits.py and examples/distributed.py have tests of their own (test_digits.py,
-distributed/); the README's demo runs here in full, as the README gives it.
+distributed/); the README's demo runs here in full, as the README gives it, in the slow tier
+(`-m slow`, which CI runs on one leg) with the optimizer demo: each trains for a minute, and
+every API they call is under test in the default tier.
 """
 
 import os
@@ -9,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+
+import fxamp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,6 +35,7 @@ def test_opt_levels_explains_every_level():
            "ops kept in fp32: 1" in out  # the CNN at O2: BatchNorm kept in fp32
 
 
+@pytest.mark.slow  # ~40 s quiet: trains, checkpoints and resumes in a subprocess
 def test_optimizer_demo_trains_skips_and_resumes():
     out = _run("examples.optimizer_demo", "--epochs", "1")
     assert "weights torch.bfloat16, masters torch.float32" in out
@@ -45,6 +50,7 @@ def test_debug_overflow_names_the_planted_op_and_its_fix():
     assert "no op produced an inf or NaN" in out
 
 
+@pytest.mark.slow  # ~70 s quiet: the README's demo in full, as the README runs it
 def test_readme_demo_as_the_readme_runs_it():
     out = _run("examples.demo")
     assert "==== what fxamp O2 does to the CNN (bf16) ====" in out
@@ -56,7 +62,8 @@ def test_planner_example_plans_saves_applies_and_explains():
     out = _run("examples.planner")
     assert "float8: 1 of 3 GEMMs | modeled GEMM time of a training step on h100" in out
     assert "loaded plan equal: True" in out
-    assert "skip_modules '2'; stays bf16; plan: bf16: float8 rowwise error 1 > budget 0.1" in out
+    assert ("skip_modules '2'; stays bf16; plan: bf16: the float8 rowwise error of its output, 1, "
+            "exceeds the budget 0.1") in out
     assert "step 2: loss" in out
 
 
@@ -67,3 +74,12 @@ def test_healing_promotes_the_planted_op_and_lands_near_fp32():
     assert "promoted module 'blocks.0.attn.scores' to fp32 at step 4" in out
     healed = next(line for line in out.splitlines() if line.startswith("fp16 O1 + fxamp.Healer"))
     assert float(healed.split(", ")[-1].split("%")[0]) < 1.0
+
+
+def test_viewer_example_saves_both_views(tmp_path):
+    out = _run("examples.viewer", "--save-only")
+    assert "fxamp O1 | dtype bf16 | policy torch-cpu | device cpu" in out
+    assert "forward: aten.matmul.default in attn (Attention), graph 0" in out
+    for name in ("gpt2", "planted_overflow"):
+        view = fxamp.viewer.GraphView.load(os.path.join(ROOT, "out", f"{name}.fxamp.json"))
+        assert view.graphs[0]["nodes"]

@@ -55,6 +55,7 @@ class RangeRow(OpSite):
     underflow: float  # fraction with 0 < |x| < 2**-24
     subnormal: float  # fraction with 0 < |x| < 2**-14 (underflow included)
     nonfinite: float  # fraction inf or NaN
+    source_node: str = ""  # the node of fxamp's graph (explain()'s) it comes from; "" if none
 
     @property
     def risk(self) -> str:
@@ -69,8 +70,9 @@ class RangeRow(OpSite):
 class _Accumulator:
     """Running max and counts on the device; read back once, when the table is built."""
 
-    def __init__(self, origin: Origin, dtype: torch.dtype):
+    def __init__(self, origin: Origin, dtype: torch.dtype, source_node: str):
         self.origin, self.dtype, self.numel = origin, dtype, 0
+        self.source_node = source_node
         self.max: Optional[torch.Tensor] = None
         self.counts: Optional[torch.Tensor] = None
 
@@ -90,7 +92,8 @@ class _Accumulator:
         o = self.origin
         fractions = [c / self.numel for c in self.counts.tolist()]
         return RangeRow(o.phase, o.graph, o.node, o.op, o.source_op, o.module,
-                        short_dtype(self.dtype), self.numel, float(self.max), *fractions)
+                        short_dtype(self.dtype), self.numel, float(self.max), *fractions,
+                        source_node=self.source_node)
 
 
 _COPIES = frozenset((aten.clone.default, aten._unsafe_view.default, aten.alias.default))
@@ -121,8 +124,10 @@ class RangeRecorder(InstrumentingCompiler):
             key = (record.index, phase, node.name + suffix)
             if key not in self._stats:
                 origin = origin_of(node, phase, record)
+                source = origin.source_node.name if origin.source_node is not None else ""
                 self._stats[key] = _Accumulator(dataclasses.replace(
-                    origin, node=key[2], op=origin.op + suffix, source_node=None), t.dtype)
+                    origin, node=key[2], op=origin.op + suffix, source_node=None), t.dtype,
+                    source)
             self._stats[key].add(t)
 
     def table(self, config: AmpConfig, *, loss_scale: float = 1.0,

@@ -66,6 +66,7 @@ class OverflowSite(OpSite):
     outputs: tuple[TensorSummary, ...]
     suggestion: str
     fix: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+    source_node: str = ""  # the node of fxamp's graph (explain()'s) it comes from; "" if none
 
     @property
     def headline(self) -> str:
@@ -184,7 +185,9 @@ def make_site(c: Culprit, config: AmpConfig, loss_scale: float) -> OverflowSite:
     text, fix = _suggest(c, config, loss_scale)
     fields = {f.name: getattr(c.origin, f.name) for f in dataclasses.fields(Origin)
               if f.name != "source_node"}
-    return OverflowSite(**fields, inputs=c.inputs, outputs=c.outputs, suggestion=text, fix=fix)
+    source = c.origin.source_node
+    return OverflowSite(**fields, inputs=c.inputs, outputs=c.outputs, suggestion=text, fix=fix,
+                        source_node="" if source is None else source.name)
 
 
 def loss_site(culprit: Culprit) -> OverflowSite:

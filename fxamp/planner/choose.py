@@ -22,7 +22,7 @@ from fxamp.errors import ConfigError
 from fxamp.planner.cost import GemmShape, PRECISIONS, Target, as_target, cast_time, gemm_time
 from fxamp.planner.measure import GemmMeasure, measure
 from fxamp.planner.plan import FLOAT8_RECIPES, ROOT, PlannedGemm, PrecisionPlan
-from fxamp.planner.report import us
+from fxamp.planner.report import duration
 from fxamp.model.prepare import backend_of
 
 __all__ = ["plan", "DEFAULT_ERROR_BUDGET"]
@@ -49,42 +49,50 @@ def _cost_shape(m: GemmMeasure, scale: float) -> GemmShape:
     return GemmShape(rows, k, n, batch, m.grad_input, m.grad_weight)
 
 
-def _decide(m: GemmMeasure, recipe: str, low: str, budget: float,
-            times: dict[str, float]) -> tuple[str, str]:
-    e16, t16 = _worst(m, low), times.get(low)
-    if e16[0] > budget:
-        if e16[0] == float("inf"):
-            return "fp32", (f"fp32: {low} overflows (max|x| {max(m.max_abs.values()):.3g}, "
-                            f"in its {e16[1]})")
-        return "fp32", f"fp32: {low} error {e16[0]:.3g} > budget {budget:g} (in its {e16[1]})"
+def _decide(m: GemmMeasure, recipe: str, low: str, budget: float, times: dict[str, float],
+            casts: float) -> tuple[str, str]:
+    # Each reason is "<precision>: <sentences>" (golden texts in tests/test_planner.py).
+    (e16, where16), t16 = _worst(m, low), times.get(low)
+    if e16 > budget:
+        if e16 == float("inf"):
+            return "fp32", (f"fp32: {low} overflows in its {where16} (its largest |x| is "
+                            f"{max(m.max_abs.values()):.3g}).")
+        return "fp32", (f"fp32: the {low} error of its {where16}, {e16:.3g}, exceeds the "
+                        f"budget {budget:g}.")
     if m.float8_refusal is not None:
-        return low, f"{low}: float8 cannot run it ({m.float8_refusal}); {low} error {e16[0]:.3g}"
-    (e8, where), t8 = _worst(m, recipe), times[recipe]
+        return low, (f"{low}: float8 cannot run it ({m.float8_refusal}); the {low} error is "
+                     f"{e16:.3g}.")
+    (e8, where8), t8 = _worst(m, recipe), times[recipe]
     if e8 > budget:
-        return low, (f"{low}: float8 {recipe} error {_num(e8)} > budget {budget:g} (in its "
-                     f"{where}); {low} error {e16[0]:.3g}")
+        return low, (f"{low}: the float8 {recipe} error of its {where8}, {_num(e8)}, exceeds "
+                     f"the budget {budget:g}; the {low} error is {e16:.3g}.")
     if t8 >= t16:
-        return low, (f"{low}: float8 would take {us(t8)} >= {us(t16)} a step (its casts "
-                     f"{us(times['casts'])}); float8 error {e8:.3g} within budget")
-    return recipe, (f"float8 {recipe}: {us(t8)} vs {us(t16)} in {low} a step "
-                    f"({t16 / t8:.2f}x, casts included); error {e8:.3g} <= {budget:g}")
+        return low, (f"{low}: float8 {recipe} would take {duration(t8)} a step against "
+                     f"{duration(t16)} in {low} (its casts alone take "
+                     f"{duration(casts)}); its error {e8:.3g} is within the budget {budget:g}.")
+    return recipe, (f"float8 {recipe}: {duration(t8)} a step against {duration(t16)} in {low} "
+                    f"({t16 / t8:.2f}x faster, casts included); its error {e8:.3g} is within "
+                    f"the budget {budget:g}.")
 
 
 def _num(x: float) -> str:
-    return "inf (overflow)" if x == float("inf") else f"{x:.3g}"
+    return "inf (an overflow)" if x == float("inf") else f"{x:.3g}"
 
 
 def _planned(m: GemmMeasure, recipe: str, low: str, budget: float, target: Target,
              scale: float) -> PlannedGemm:
     times: dict[str, float] = {}
-    if m.shape is None:
-        precision, reason = low, f"{low}: {m.float8_refusal}; not measured"
-    else:
+    casts = 0.0
+    if m.shape is not None:  # a shape float8 can take: the cost model times it
         shape = _cost_shape(m, scale)
-        usable = [p for p in PRECISIONS if p not in FLOAT8_RECIPES or m.float8_refusal is None]
-        times = {p: gemm_time(shape, p, target) for p in usable}
-        precision, reason = _decide(m, recipe, low, budget, {**times, "casts": cast_time(
-            shape, target)})
+        times = {p: gemm_time(shape, p, target) for p in PRECISIONS
+                 if p not in FLOAT8_RECIPES or m.float8_refusal is None}
+        casts = cast_time(shape, target)
+    if m.errors:
+        precision, reason = _decide(m, recipe, low, budget, times, casts)
+    else:
+        precision, reason = low, (f"{low}: its result is not floating point, so no precision "
+                                  "was measured.")
     errors = tuple((c, _worst(m, c)[0]) for c in m.errors)
     grads = tuple(g for g, on in (("grad_input", m.grad_input), ("grad_weight", m.grad_weight))
                   if on)
@@ -106,16 +114,17 @@ def _per_module(sites: list[PlannedGemm], recipe: str, low: str) -> list[Planned
     for s in sites:
         mates = [t for t in sites if t.module == s.module and t is not s]
         if s.precision == "fp32" and s.module == ROOT:
-            s = dataclasses.replace(s, precision=low, reason=s.reason + f"; at the top level "
-                                    f"no module override can reach it: stays {low}")
+            s = dataclasses.replace(s, precision=low, reason=s.reason + " No module override "
+                                    f"can reach a GEMM at the top level, so it stays {low}.")
         elif s.precision != "fp32" and s.module != ROOT and any(
                 t.precision == "fp32" for t in mates):
-            s = dataclasses.replace(s, precision="fp32", reason=s.reason + "; fp32 with the "
-                                    "rest of its module (a module override covers all its ops)")
+            s = dataclasses.replace(s, precision="fp32", reason=s.reason + " It runs in fp32 "
+                                    "with the rest of its module: a module override covers all "
+                                    "its ops.")
         elif s.precision == recipe and any(t.precision == low and t.float8_refusal is None
                                            for t in mates):
-            s = dataclasses.replace(s, precision=low, reason=s.reason + f"; stays {low} with "
-                                    "another GEMM of its module (skip_modules is per module)")
+            s = dataclasses.replace(s, precision=low, reason=s.reason + f" It stays {low} with "
+                                    "another GEMM of its module: skip_modules is per module.")
         out.append(s)
     return out
 

@@ -5,16 +5,13 @@ The model runs at O0 (fp32) through fxamp's own backend with the debug tools' in
 compiler in its pre-dispatch mode: the graph the passes annotate runs eagerly under autograd,
 so each GEMM node (the node the float8 pass decides on, with its module path and source
 line) is seen with its live operands, and a hook on its output catches the gradient that
-flows into it. Each candidate then recomputes the three GEMMs of a training step -- output,
-grad_input, grad_weight -- from those fp32 tensors: 16-bit dtypes by rounding the operands
-and the result (a tensor-core GEMM multiplies exactly and accumulates in fp32), float8 with
-fxamp's own float8 GEMM (`Float8MM`, the code a float8 plan runs) on the 16-bit operands.
+flows into it. Each node's whole op (Note [The whole op is measured]) is then recomputed by
+every candidate from those fp32 tensors (candidates.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -25,17 +22,12 @@ from fxamp.debug import instrument
 from fxamp.debug.instrument import (FORWARD, GraphRecord, InstrumentingCompiler, OpSite,
                                     call_model, default_loss, prepare_private)
 from fxamp.float8.config import Float8Config
-from fxamp.float8.gemm import Float8MM
 from fxamp.passes.float8 import GEMM_OPS, decide
 from fxamp.passes.float8_operands import GemmOperands, gemm_operands
+from fxamp.planner.candidates import GemmCall, candidate_errors
 from fxamp.provenance import module_of, source_line
 
-__all__ = ["GemmMeasure", "GemmProbe", "measure", "candidate_errors", "relative_error",
-           "CANDIDATES", "TENSORS"]
-
-CANDIDATES = ("bf16", "fp16", "tensorwise", "rowwise")  # fp32 is the reference itself
-TENSORS = ("output", "grad_input", "grad_weight")
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["GemmMeasure", "GemmProbe", "measure"]
 
 
 @dataclasses.dataclass
@@ -68,107 +60,45 @@ class GemmMeasure:
             self.max_abs[tensor] = max(self.max_abs.get(tensor, 0.0), value)
 
 
-def relative_error(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """||x - ref|| / ||ref||; inf when x has an inf or NaN (an overflow)."""
-    x, ref = x.detach().float(), ref.detach().float()
-    diff, base = float((x - ref).norm()), float(ref.norm())
-    if math.isnan(diff) or math.isinf(diff):
-        return math.inf
-    return diff / base if base > 0 else (0.0 if diff == 0 else math.inf)
+def _value(node: Any, env: dict) -> Any:
+    return env[node] if isinstance(node, fx.Node) else node
+
+
+def _as_written(node: fx.Node, env: dict) -> GemmCall:
+    # A GEMM the float8 pass cannot take (batch dims broadcast, a 1-D operand): its operands
+    # as the op takes them, a 1-D one made a matrix as torch.matmul does.
+    op, args = GEMM_OPS[node.target], [_value(x, env) for x in node.args]
+    scalars = {k: node.kwargs.get(k, 1) for k in ("alpha", "beta")}
+    if op == "linear":
+        x, w, bias = (*args, node.kwargs.get("bias"))[:3]
+        a, b, c, scalars = x, _t(w) if w.dim() == 2 else w, _value(bias, env), {}
+    elif op in ("addmm", "baddbmm"):
+        c, a, b = args[:3]
+    else:
+        (a, b), c = args[:2], None
+    a, b = a.unsqueeze(0) if a.dim() == 1 else a, b.unsqueeze(-1) if b.dim() == 1 else b
+    return GemmCall(a, b, c, **scalars)
 
 
 def _t(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(-2, -1)
 
 
-def _gemms(a, b, g, grad_input: bool, grad_weight: bool, round_: Callable) -> dict:
-    a, b = round_(a), round_(b)
-    out = {"output": round_(a @ b)}
-    if g is not None:
-        g = round_(g)
-        if grad_input:
-            out["grad_input"] = round_(g @ _t(b))
-        if grad_weight:
-            out["grad_weight"] = round_(_t(a) @ g)
-    return out
-
-
-def _float8(a, b, g, grad_input: bool, grad_weight: bool, recipe: str,
-            dtype: torch.dtype) -> dict:
-    a16, b16 = (t.to(dtype).requires_grad_(g is not None) for t in (a, b))
-    with torch.enable_grad():
-        out = Float8MM.apply(a16, b16, recipe)
-    result = {"output": out}
-    if g is not None:
-        grad_a, grad_b = torch.autograd.grad(out, (a16, b16), g.to(dtype))
-        result.update({"grad_input": grad_a} if grad_input else {})
-        result.update({"grad_weight": grad_b} if grad_weight else {})
-    return result
-
-
-# Note [Measuring a sample of a large GEMM]: a GEMM with more than MAX_ROWS rows or MAX_COLS
-# output columns is measured on that many of them (evenly spaced), always with the rows and
-# columns that hold the largest |input|, |weight| and |gradient|: the output and grad_weight
-# entries measured are exact entries of the full GEMM, grad_input sums over the kept columns
-# only, and the tensorwise float8 scales are those of the full tensors (their amax is kept).
-# Planning a large model then costs a bounded amount per GEMM.
-MAX_ROWS = MAX_COLS = 1024
-
-
-def _keep(size: int, limit: int, *extremes: torch.Tensor) -> Optional[torch.Tensor]:
-    if size <= limit:
-        return None
-    spaced = torch.linspace(0, size - 1, limit - len(extremes)).long()
-    return torch.unique(torch.cat([spaced, *(e.reshape(1) for e in extremes)]))
-
-
-def _sample(a: torch.Tensor, b: torch.Tensor, g: Optional[torch.Tensor]) -> tuple:
-    if a.dim() != 2:
-        return a, b, g
-    gabs = None if g is None else g.abs()
-    rows = _keep(a.shape[0], MAX_ROWS, a.abs().amax(1).argmax(),
-                 *(() if gabs is None else (gabs.amax(1).argmax(),)))
-    cols = _keep(b.shape[1], MAX_COLS, b.abs().amax(0).argmax(),
-                 *(() if gabs is None else (gabs.amax(0).argmax(),)))
-    if rows is not None:
-        a, g = a[rows], None if g is None else g[rows]
-    if cols is not None:
-        b, g = b[:, cols], None if g is None else g[:, cols]
-    return a, b, g
-
-
-def candidate_errors(a: torch.Tensor, b: torch.Tensor, g: Optional[torch.Tensor], *,
-                     grad_input: bool, grad_weight: bool, dtype: torch.dtype,
-                     float8: bool) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
-    """(errors, max_abs) of the GEMM a [.., M, K] @ b [.., K, N] with output gradient `g`
-    (None: forward only), for each candidate (float8 ones only with `float8`); the float8
-    operands are in `dtype`, the 16-bit dtype of the plan. Large GEMMs are measured on a
-    sample (Note [Measuring a sample of a large GEMM])."""
-    a, b = a.detach().float(), b.detach().float()
-    a, b, g = _sample(a, b, None if g is None else g.detach().float())
-    ref = _gemms(a, b, g, grad_input, grad_weight, lambda t: t)
-    errors = {}
-    for cand in CANDIDATES:
-        if cand in _DTYPES:
-            low = _DTYPES[cand]
-            got = _gemms(a, b, g, grad_input, grad_weight, lambda t: t.to(low).float())
-        elif float8:
-            got = _float8(a, b, g, grad_input, grad_weight, cand, dtype)
-        else:
-            continue
-        errors[cand] = {k: relative_error(v, ref[k]) for k, v in got.items()}
-    named = {"input": a, "weight": b, **ref, **({"grad_output": g} if g is not None else {})}
-    return errors, {k: float(v.abs().max()) if v.numel() else 0.0 for k, v in named.items()}
-
-
-def _operands(ops: GemmOperands, node: fx.Node, env: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    # Canonical [M, K] @ [K, N], or [B, M, K] @ [B, K, N] for a GEMM done per batch entry.
-    a, b = env[ops.left], env[ops.right]
-    b = b.t() if GEMM_OPS[node.target] == "linear" else b
-    _, k, n = ops.mkn
-    if ops.batch:
-        return a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n)
-    return a.reshape(-1, k), b.reshape(k, n)
+def _call(ops: GemmOperands, node: fx.Node, env: dict, value: torch.Tensor) -> GemmCall:
+    # Canonical [M, K] @ [K, N], or [B, M, K] @ [B, K, N] for a GEMM done per batch entry, as
+    # the float8 pass takes it; c broadcast to the result, in that form.
+    if ops.refusal is not None:
+        call = _as_written(node, env)
+    else:
+        a, b = env[ops.left], env[ops.right]
+        b = b.t() if GEMM_OPS[node.target] == "linear" else b
+        _, k, n = ops.mkn
+        a, b = (a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n)) if ops.batch else \
+            (a.reshape(-1, k), b.reshape(k, n))
+        call = GemmCall(a, b, _value(ops.bias, env), ops.alpha, ops.beta)
+    if call.c is None or call.beta == 0:
+        return dataclasses.replace(call, c=None)
+    return dataclasses.replace(call, c=call.c.expand(value.shape).reshape(call.shape))
 
 
 class GemmProbe(InstrumentingCompiler):
@@ -182,7 +112,7 @@ class GemmProbe(InstrumentingCompiler):
         self.float8_config = AmpConfig.from_opt_level(
             "O1", float8=Float8Config(min_dim=1)).resolve(device_type)
         self.sites: dict[tuple[int, str], GemmMeasure] = {}
-        self._pending: list[tuple[GemmMeasure, Any, Any, Any]] = []
+        self._pending: list[list[Any]] = []
 
     def _site(self, record: GraphRecord, node: fx.Node) -> GemmMeasure:
         key = (record.index, node.name)
@@ -201,21 +131,20 @@ class GemmProbe(InstrumentingCompiler):
         if node.op != "call_function" or node.target not in GEMM_OPS:
             return
         measure_ = self._site(record, node)
-        ops = gemm_operands(record.pre, node)
-        if ops.a is None or not isinstance(value, torch.Tensor):
-            return  # not a [.., K] @ [K, N] GEMM: no candidate to compare
-        a, b = _operands(ops, node, env)
-        measure_.grad_input, measure_.grad_weight = a.requires_grad, b.requires_grad
-        entry = [measure_, a.detach(), b.detach(), None]
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point()):
+            return  # no candidate precision to compare
+        call = _call(gemm_operands(record.pre, node), node, env, value)
+        measure_.grad_input, measure_.grad_weight = call.a.requires_grad, call.b.requires_grad
+        entry = [measure_, call.detach(), None]
         self._pending.append(entry)
         if value.requires_grad:
-            shape = (-1, *value.shape[-2:]) if ops.batch else (-1, value.shape[-1])
-            value.register_hook(lambda g: entry.__setitem__(3, g.detach().reshape(shape)))
+            value.register_hook(lambda g: entry.__setitem__(2, g.detach()))
 
     def flush(self) -> None:
         """Measure every GEMM captured since the last flush, then let go of its tensors."""
-        for m, a, b, g in self._pending:
-            m.add(*candidate_errors(a, b, g, grad_input=m.grad_input and g is not None,
+        for m, call, g in self._pending:
+            m.add(*candidate_errors(call.a, call.b, g, c=call.c, alpha=call.alpha,
+                                    beta=call.beta, grad_input=m.grad_input and g is not None,
                                     grad_weight=m.grad_weight and g is not None,
                                     dtype=self.dtype, float8=m.float8_refusal is None))
         self._pending.clear()

@@ -10,7 +10,6 @@ decision it explains. Nothing here measures or imports the planner's measuring c
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Optional
 
 import torch
@@ -18,6 +17,7 @@ import torch
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
 from fxamp.float8.config import Float8Config
+from fxamp.planner import plan_json
 from fxamp.planner.cost import Target
 from fxamp.planner.report import format_plan
 from fxamp.provenance import OpSite
@@ -159,8 +159,9 @@ class PrecisionPlan:
 
     # ------------------------------------------------------------------------- JSON
     def to_json(self, path: Optional[str] = None) -> str:
-        """The plan as JSON text (also written to `path`)."""
-        text = json.dumps({"fxamp_plan": _VERSION, **dataclasses.asdict(self)}, indent=1)
+        """The plan as strict JSON text (also written to `path`): no `Infinity` or `NaN`, a
+        non-finite float is the string "inf", "-inf" or "nan"."""
+        text = plan_json.dumps(self, {"fxamp_plan": _VERSION})
         if path is not None:
             with open(path, "w") as f:
                 f.write(text)
@@ -168,26 +169,14 @@ class PrecisionPlan:
 
     @classmethod
     def from_json(cls, text_or_path: str) -> "PrecisionPlan":
-        """A plan from `to_json()`'s text or a file holding it."""
+        """A plan from `to_json()`'s text or a file holding it: every field, no other, each of
+        its type, or a ConfigError naming the field."""
         text = text_or_path
         if not text.lstrip().startswith("{"):
             with open(text_or_path) as f:
                 text = f.read()
-        data = json.loads(text)
+        data = plan_json.loads(text)
         if not isinstance(data, dict) or data.pop("fxamp_plan", None) != _VERSION:
             raise ConfigError(f"not an fxamp plan (version {_VERSION}): the JSON has no "
                               f"'fxamp_plan': {_VERSION} key; write it with plan.to_json()")
-        try:
-            sites = tuple(_site(s) for s in data.pop("sites"))
-            return cls(target=Target(**data.pop("target")), sites=sites, **data)
-        except (TypeError, KeyError) as e:
-            raise ConfigError(f"malformed fxamp plan JSON: {e}") from None
-
-
-def _site(d: dict) -> PlannedGemm:
-    pairs = lambda xs: tuple((str(k), float(v)) for k, v in xs)
-    shape = d.pop("shape")
-    return PlannedGemm(**{**d, "shape": None if shape is None else tuple(shape),
-                          "grads": tuple(d["grads"]), "errors": pairs(d["errors"]),
-                          "times": pairs(d["times"])})
-
+        return plan_json.read(data, cls, "")

@@ -8,13 +8,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fxamp.planner.plan import PrecisionPlan
 
-__all__ = ["format_plan", "us"]
+__all__ = ["format_plan", "duration"]
 
 _ERRORS = ("bf16", "fp16", "tensorwise", "rowwise")
 
 
-def us(seconds: float) -> str:
-    return f"{seconds * 1e6:.1f} us"
+_UNITS = ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns"))
+
+
+def duration(seconds: float) -> str:
+    """Seconds in the unit that reads best, to 3 significant digits: "850 ns", "12.3 us",
+    "4.57 ms", "1.5 s"."""
+    if seconds == 0:
+        return "0 s"
+    # 0.9995 of a unit rounds to "1" of it; below 1 ns, fractions of a ns
+    scale, unit = next(((s, u) for s, u in _UNITS if abs(seconds) >= 0.9995 * s), _UNITS[-1])
+    value = seconds / scale
+    return f"{value:.0f} {unit}" if abs(value) >= 999.5 else f"{value:.3g} {unit}"
 
 
 def _err(value: float) -> str:
@@ -33,20 +43,22 @@ def format_plan(plan: "PrecisionPlan") -> str:
              f"{plan.dtype} | float8 {recipe or 'none'} | {plan.batches} calibration "
              f"batch(es), costs at {plan.batch_scale:g}x their size")
     header = ("module", "op", "[B*]MxKxN", "err bf16", "fp16", "f8 tw", "f8 rw",
-              "us fp32", plan.dtype, "float8", "runs in", "why")
+              "t fp32", plan.dtype, "float8", "runs in", "why")
     body = []
     for s in plan.sites:
         errs = [_err(dict(s.errors).get(c, math.nan)) for c in _ERRORS]
         times = [s.time(p) for p in ("fp32", plan.dtype, f8)]
         body.append((s.module, s.op.replace("aten.", "").replace(".default", ""),
                      _shape(s.shape, s.batch), *errs,
-                     *("-" if t is None else f"{t * 1e6:.1f}" for t in times),
+                     *("-" if t is None else duration(t) for t in times),
                      s.precision, s.reason))
     widths = [max(len(str(r[i])) for r in [header, *body]) for i in range(len(header) - 1)]
     fmt = lambda row: "  ".join(str(v).ljust(w) for v, w in zip(row, widths)) + "  " + row[-1]
     n8 = sum(s.precision == recipe for s in plan.sites)
-    times = [f"plan {us(plan.step_time())}", f"all {plan.dtype} {us(plan.step_time(plan.dtype))}",
-             f"all float8 {f8} {us(plan.step_time(f8))}", f"all fp32 {us(plan.step_time('fp32'))}"]
+    times = [f"plan {duration(plan.step_time())}",
+             f"all {plan.dtype} {duration(plan.step_time(plan.dtype))}",
+             f"all float8 {f8} {duration(plan.step_time(f8))}",
+             f"all fp32 {duration(plan.step_time('fp32'))}"]
     return "\n".join([title, fmt(header), *(fmt(r) for r in body),
                       f"float8: {n8} of {len(plan.sites)} GEMMs | modeled GEMM time of a "
                       f"training step on {plan.target.name}: " + ", ".join(times),

@@ -221,7 +221,9 @@ def test_float8_reaches_fsdp2_sharded_modules():
             "fully_shard: fxamp.explain, locate_overflow and range_stats run a private copy"), r
 
 
-@pytest.mark.parametrize("level, float8", [("O1", False), ("O2", True)])
+# O1 without float8 in the default suite; O2 with float8 (the largest compile here) is slow.
+@pytest.mark.parametrize("level, float8", [("O1", False),
+                                           pytest.param("O2", True, marks=pytest.mark.slow)])
 def test_a_sharded_gpt2_runs_as_the_unsharded_one(level, float8):
     # transformers' GPT-2 under FSDP2 (each block, then the root), bitwise the unsharded model:
     # with float8, the blocks' Conv1D addmms and the tied lm_head (run after a loop over the
@@ -232,6 +234,7 @@ def test_a_sharded_gpt2_runs_as_the_unsharded_one(level, float8):
         assert r["float8"] == (2 * 4 + 1 if float8 else 0), r  # 4 Conv1D per block, lm_head
 
 
+@pytest.mark.slow  # float8 in FSDP2 modules: test_float8_reaches_fsdp2_sharded_modules
 def test_the_distributed_example_runs_fsdp2_with_float8():
     # examples/distributed.py as docs/distributed.md runs it (torchrun, 2 ranks, Inductor):
     # FSDP2 + O2 + float8, an overflow on one rank, a DCP resume.

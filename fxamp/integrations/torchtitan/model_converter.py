@@ -1,4 +1,4 @@
-"""fxamp as a torchtitan model converter (torchtitan 0.2's `register_model_converter`).
+"""fxamp as a torchtitan 0.2 model converter (0.2's `register_model_converter`).
 
     --job.custom_config_module fxamp.integrations.torchtitan --model.converters fxamp
     --fxamp.opt_level O1 --fxamp.dtype bfloat16 [--fxamp.float8 tensorwise]
@@ -16,16 +16,12 @@ from typing import Any
 import torch
 from torchtitan.protocols.model_converter import register_model_converter
 
-from fxamp.arguments import check_compiler
-from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
+from fxamp.integrations.torchtitan.options import (amp_config, check_compile,
+                                                   check_float8_checkpointing, device_type)
 from fxamp.model.entry import compile as fxamp_compile
 
 __all__ = ["Fxamp", "FxampConverter", "JobConfig"]
-
-# torchtitan's optimizers are torch.optim's: they keep no fp32 masters, so only the levels
-# that keep the weights in fp32 train correctly under them.
-_LEVELS = ("O0", "O1")
 
 
 @dataclass
@@ -64,14 +60,15 @@ class FxampConverter:
         if options is None:
             raise ConfigError("the job config has no [fxamp] section: pass --job."
                               "custom_config_module fxamp.integrations.torchtitan")
-        _check(options, job_config)
-        config = AmpConfig.from_opt_level(options.opt_level, dtype=options.dtype,
-                                          float8=options.float8 or None)
-        # torchtitan builds the model on the meta device and converts it there: the device it
-        # will compute on is the accelerator's (torchtitan's own choice), else the CPU; a CUDA
-        # build without a GPU names "cuda" unless asked for an available one.
-        accelerator = torch.accelerator.current_accelerator(check_available=True)
-        self.config = config.resolve("cpu" if accelerator is None else accelerator.type)
+        config = amp_config(options.opt_level, options.dtype, options.float8, options.compiler,
+                            lambda option: f"fxamp.{option}")
+        check_compile(getattr(job_config, "compile", None), "pass --compile.components loss, "
+                      "or leave compile.enable off")
+        mode = getattr(getattr(job_config, "activation_checkpoint", None), "mode", "none")
+        check_float8_checkpointing(options.float8, None if mode == "none" else mode,
+                                   "fxamp.float8", "pass --activation_checkpoint.mode none")
+        # torchtitan builds the model on the meta device and converts it there
+        self.config = config.resolve(device_type())
         self.compiler = options.compiler
 
     def convert(self, model: torch.nn.Module) -> None:
@@ -79,23 +76,6 @@ class FxampConverter:
 
     def post_optimizer_hook(self, model: Any) -> None:
         """Nothing: fxamp's float8 scales are computed in the graph."""
-
-
-def _check(options: Fxamp, job_config: Any) -> None:
-    if options.opt_level not in _LEVELS:
-        raise ConfigError(f"fxamp.opt_level={options.opt_level!r}: torchtitan steps the model "
-                          "with torch.optim optimizers, which keep no fp32 master weights, so "
-                          f"only {', '.join(_LEVELS)} (fp32 weights) train correctly; use O1 "
-                          "(FSDP's mixed_precision_param keeps bf16 copies for the GEMMs)")
-    if str(options.dtype).replace("torch.", "") not in ("bfloat16", "bf16"):
-        raise ConfigError(f"fxamp.dtype={options.dtype!r}: torchtitan scales no loss, and "
-                          "float16 gradients overflow without it; use bfloat16")
-    check_compiler(options.compiler, None, None)
-    compile_cfg = getattr(job_config, "compile", None)
-    if compile_cfg is not None and compile_cfg.enable and "model" in compile_cfg.components:
-        raise ConfigError("compile.enable with 'model' in compile.components: fxamp compiles "
-                          "the model itself (its passes, then fxamp.compiler); pass --compile."
-                          "components loss, or leave compile.enable off")
 
 
 register_model_converter(FxampConverter, "fxamp")
