@@ -243,7 +243,13 @@ def test_a_new_process_finds_the_step_in_inductors_caches_for_other_sizes(tmp_pa
     cold = _step_in_a_process(tmp_path, [8, 16, 4])
     warm = _step_in_a_process(tmp_path, [12, 40, 24, 5])  # other sizes, other tensor count
     assert cold["fxgraph_cache_miss"] >= 2 and cold["fxgraph_cache_hit"] == 0, cold
+    # No Inductor compile: every graph's kernels come from the FX graph cache.
     assert warm["fxgraph_cache_hit"] == cold["fxgraph_cache_miss"], (cold, warm)
-    assert warm["autograd_cache_hit"] == cold["autograd_cache_miss"] >= 2, (cold, warm)
-    assert warm["fxgraph_cache_miss"] == warm["autograd_cache_miss"] == 0, warm
+    assert warm["fxgraph_cache_miss"] == 0, warm
     assert warm["fxgraph_cache_bypass"] == warm["autograd_cache_bypass"] == 0, warm
+    looked_up = warm["autograd_cache_hit"] + warm["autograd_cache_miss"]
+    assert looked_up == cold["autograd_cache_miss"] >= 2, (cold, warm)
+    # torch 2.14's AOTAutograd cache keys a size that enters a graph as an int input (the
+    # update's number of blocks) by its value: another size runs AOTAutograd again (its
+    # trace, not Inductor); 2.11 and 2.13 find every graph.
+    assert warm["autograd_cache_hit"] >= (1 if _compat.TORCH_VERSION >= (2, 14) else 2), warm
