@@ -4,10 +4,13 @@ deadline, the parts of a stage side by side, each stage capped at its share of t
 # Note [Shares of the time left]
 A lent GPU machine may come once, for one command of at most 10 minutes; what matters most must
 be measured first and nothing may be lost to what runs long. So the stages run in priority order,
-and a stage's cap is its share of what is left of the budget when it starts:
-    cap_i = left * share_i / (share_i + the shares of the stages after it)
+and a stage of the first tier (`first`: Note [Measured first] in benchmarks/gpu_report.py) is
+capped at its share of what is left of the budget when it starts, among the first tier:
+    cap_i = left * share_i / (share_i + the shares of the first-tier stages after it)
 A stage that ends early leaves its time to the later ones, one that runs long (up to its cap)
 takes from them, and a stage whose cap would be below its `min_s` is skipped, recorded as such.
+The stages after the first tier (figures measured before) get what the first tier left, in
+order: each is capped at all that is left, and skipped when that is below its `min_s`.
 A part still running at its stage's cap is killed (its process group: Inductor's compile
 workers too) and recorded "over cap"; the stage after it runs all the same. Parts learn their
 cap (benchmarks/deadline.py, as a deadline 10 % or 5 s before it) and size themselves to it:
@@ -47,6 +50,7 @@ class Stage:
     parts: list[Part]
     share: float
     min_s: float = 0.0
+    first: bool = True  # Note [Shares of the time left]
     status: str = "not started"
     cap_s: float = 0.0
     wall_s: float = 0.0
@@ -60,7 +64,8 @@ def run(stages: list[Stage], out: str, budget_s: float, *, root: str,
     with _terminate_as_interrupt():
         for i, stage in enumerate(stages):
             left = end - time.monotonic()
-            stage.cap_s = max(0.0, left * stage.share / sum(s.share for s in stages[i:]))
+            tier = [s.share for s in stages[i:] if s.first] if stage.first else [stage.share]
+            stage.cap_s = max(0.0, left * stage.share / sum(tier))
             if stage.cap_s < max(stage.min_s, 1.0):
                 stage.status = (f"skipped: {stage.cap_s:.0f} s of the budget left for it, it "
                                 f"needs {stage.min_s:.0f} s")

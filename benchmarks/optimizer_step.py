@@ -52,7 +52,7 @@ import torch
 import fxamp.optim as fo
 from benchmarks import gpu_lock, optimizer_groups
 from benchmarks.step_timing import (  # noqa: F401 (the tests import them from here)
-    count_kernels, interleaved, ratio_stats, storage_bytes, time_step)
+    count_kernels, interleaved, kernel_profile, ratio_stats, storage_bytes, time_step)
 
 REQUIRED_BYTES = 28  # per parameter; see the docstring
 
@@ -87,6 +87,7 @@ class Built:
 
     def __init__(self, step: Callable, tensors: Callable[[], list]) -> None:
         self.step, self.tensors = step, tensors
+        self.ready_s = 0.0  # building it and its first step (optimizer_groups._ready)
 
 
 def _kept(*holders) -> Callable[[], list]:
@@ -254,6 +255,13 @@ def methods(mode: str, device, low: torch.dtype, compile: bool = True):
     return rows
 
 
+def compiles(name: str) -> bool:
+    """Whether readying the method compiles (Note [What readying a method costs] in
+    benchmarks/optimizer_groups.py): fxamp's steps, torch.compile's, torchao's AdamW8bit (a
+    compiled step per parameter shape)."""
+    return name.startswith("fxamp") or name in ("compiled", "torchao AdamW8bit")
+
+
 def run_size(n_params: int, args, device, low, save) -> dict:
     """One size's rows, mode by mode, in groups that fit the memory budget; `save` gets the
     partial results after each group."""
@@ -274,7 +282,7 @@ def run_size(n_params: int, args, device, low, save) -> dict:
             results["rows"][mode], results["skipped"][mode] = rows, skipped
             save(results)
         optimizer_groups.time_mode(builders, shape_list, n, device, args, budget_bytes=budget,
-                                   save=partial)
+                                   save=partial, compiles=compiles)
     # The roofline is the faster of a copy before and after the methods, so a disturbed copy
     # cannot flatter them.
     copy = build_copy(n, device)
@@ -319,6 +327,22 @@ def report(results: dict, low: torch.dtype) -> list[str]:
                          f"{row['kernels']} | {med:.2f}x [{lo:.2f}, {hi:.2f}] |")
         lines += [f"| {label} | {name} | skipped: {why} | | | | | |"
                   for name, why in results.get("skipped", {}).get(mode, {}).items()]
+    return lines + kernel_lines(results)
+
+
+def kernel_lines(results: dict) -> list[str]:
+    """fxamp's steps kernel by kernel (one profiled step): what the kernel count is made of."""
+    lines = []
+    for mode, rows in results["rows"].items():
+        for name, row in rows.items():
+            kernels = row.get("kernel_list")
+            if not name.startswith("fxamp") or not kernels:
+                continue
+            if not lines:
+                lines = ["", "fxamp's kernels in one profiled step (slowest first):", "",
+                         "| mode | method | kernel | calls | us |", "|---|---|---|---:|---:|"]
+            lines += [f"| {mode} | {name} | `{k['name'][:90]}` | {k['calls']} | {k['us']:.1f} |"
+                      for k in kernels]
     return lines
 
 

@@ -39,7 +39,7 @@ def collect(stages: list, command: str, started: float, ended: float) -> dict[st
         "e2e": {"environments": [r["environment"] for r in e2e if r],
                 "results": [m for r in e2e if r for m in r["results"]]},
         "float8": _float8([_load_json(p.results) for p in parts
-                           if p.name.startswith("float8-")]),
+                           if p.name.startswith(("float8-", "whole-stack"))]),
     }
     report["targets"] = targets(report)
     return report
@@ -221,8 +221,10 @@ def _optimizer_lines(results: Optional[dict]) -> list[str]:
 
 def _float8_lines(results: dict) -> list[str]:
     if not results:
-        return ["Float8: no results (see the float8-*.log files)."]
-    lines = ["Float8 (O2-style bf16 weights, torch.optim.AdamW; tensorwise):", "",
+        return ["Float8 and the whole stack: no results (see the float8-*.log and "
+                "whole-stack*.log files)."]
+    lines = ["Float8 (O2-style bf16 weights, torch.optim.AdamW; tensorwise) and the whole stack "
+             "(benchmarks/float8_gpu.py):", "",
              "| model | mode | tokens/s | steps | peak (GiB) | final loss |",
              "|---|---|---:|---:|---:|---:|"]
     for model, modes in results.items():
@@ -234,6 +236,14 @@ def _float8_lines(results: dict) -> list[str]:
             tps = r["steps"] * r["tokens_per_step"] / r["seconds"]
             lines.append(f"| {model} | {mode} | {tps:.0f} | {r['steps']} | {peak} | "
                          f"{r['final_loss']:.4f} |")
+    profiled = [(model, mode, r["kernels"]) for model, modes in results.items()
+                for mode, r in modes.items() if r.get("kernels")]
+    if profiled:
+        lines += ["", "Where a training step's time goes (one profiled step, the slowest kernels "
+                      "by name):", "", "| model | mode | kernel | calls | us |",
+                  "|---|---|---|---:|---:|"]
+        lines += [f"| {model} | {mode} | `{k['name'][:90]}` | {k['calls']} | {k['us']:.0f} |"
+                  for model, mode, kernels in profiled for k in kernels]
     return lines
 
 

@@ -70,7 +70,10 @@ def ratio_stats(times: list[float], ours: list[float]) -> tuple[float, float, fl
     return statistics.median(ratios), ratios[0], ratios[-1]
 
 
-def count_kernels(step: Callable, device) -> int:
+def kernel_profile(step: Callable, device) -> list[dict]:
+    """The kernels one call of `step` launches, by name: [{"name", "calls", "us"}], slowest
+    first (CUDA: every device activity, memcpy and memset included, with its device time; CPU:
+    Inductor's C++ kernels and the ATen ops that do work, with their CPU time)."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda"
                                            else [])
     with profile(activities=activities) as prof:
@@ -78,7 +81,20 @@ def count_kernels(step: Callable, device) -> int:
         _sync(device)
     events = prof.events()
     if device.type == "cuda":
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    parents = {id(e.cpu_parent) for e in events if e.cpu_parent is not None}
-    return sum(1 for e in events if id(e) not in parents and (
-        "cpp_fused" in e.name or (e.name.startswith("aten::") and e.name not in NO_KERNEL)))
+        kernels = [(e.name, e.time_range.elapsed_us()) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+    else:
+        parents = {id(e.cpu_parent) for e in events if e.cpu_parent is not None}
+        kernels = [(e.name, e.cpu_time_total) for e in events if id(e) not in parents and (
+            "cpp_fused" in e.name or (e.name.startswith("aten::") and e.name not in NO_KERNEL))]
+    by_name: dict[str, dict] = {}
+    for name, us in kernels:
+        row = by_name.setdefault(name, {"name": name, "calls": 0, "us": 0.0})
+        row["calls"] += 1
+        row["us"] += us
+    return sorted(by_name.values(), key=lambda r: -r["us"])
+
+
+def count_kernels(step: Callable, device) -> int:
+    """How many kernels one call of `step` launches (`kernel_profile`'s calls)."""
+    return sum(r["calls"] for r in kernel_profile(step, device))

@@ -103,6 +103,11 @@ def batches(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]
     return data
 
 
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The loop's loss, in fp32. The healer gets this same function: it reruns the step."""
+    return F.mse_loss(output.float(), target)
+
+
 def train(model: nn.Module, data, *, fp16: bool, heal: bool = False, lr: float = 3e-3,
           scaler: "fxamp.LossScaler | None" = None, **heal_options):
     """Train with torch.optim.AdamW through LossScaler's GradScaler protocol. Returns
@@ -111,11 +116,11 @@ def train(model: nn.Module, data, *, fp16: bool, heal: bool = False, lr: float =
         fxamp.compile(model, compiler="aot_eager", opt_level="O1", dtype=FP16)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     scaler = scaler or fxamp.LossScaler(compile=False)
-    healer = fxamp.Healer(model, scaler, F.mse_loss, **heal_options) if heal else None
+    healer = fxamp.Healer(model, scaler, loss_fn, **heal_options) if heal else None
     losses = []
     for batch in data:
         x, y = batch
-        loss = F.mse_loss(model(x).float(), y)
+        loss = loss_fn(model(x), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()

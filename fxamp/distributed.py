@@ -5,7 +5,8 @@ The step's own agreement across ranks lives with the optimizer (fxamp/optim/dist
 this module holds what users call around the training loop.
 
 # Note [What a distributed checkpoint holds]
-`state_dict` gathers the model's state dict (fp32 values at O2/O3, as Apex returned them), the
+`state_dict` gathers the model's state dict (its stored tensors, 16-bit at O2/O3: Note [The
+state dict is the live weights] in fxamp/model/cast_model.py), the
 fxamp optimizer's (torch.optim's layout plus the fp32 "master_param" of each 16-bit parameter,
 and the step count), and the loss scaler's (scale, growth tracker, hysteresis). Under FSDP2 the
 parameters, moments and masters are DTensors, so every rank writes its own shard; under DDP they

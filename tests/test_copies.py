@@ -79,6 +79,8 @@ def test_copy_of_a_copy():
     assert torch.equal(_deepcopy(_pickle(model))(x), model(x))
 
 
-def test_copies_state_dict_is_fp32_as_the_originals():
+def test_copies_state_dict_is_the_copys_stored_weights_as_the_originals():
     model = _model("O2")
-    assert _deepcopy(model).state_dict()["0.weight"].dtype == torch.float32
+    copied = _deepcopy(model)
+    assert copied.state_dict()["0.weight"].dtype == model.state_dict()["0.weight"].dtype
+    assert copied.state_dict()["0.weight"].data_ptr() == copied[0].weight.data_ptr()

@@ -84,6 +84,9 @@ def test_a_skip_at_the_floor_scale_heals_at_once():
 def test_loss_scale_backoff_alone_is_never_healed():
     # No hostile op: a scale that starts at 2**40 and doubles after every 2 clean steps keeps
     # overflowing the backward; the locator runs (at the floor scale) and promotes nothing.
+    # Its forward is finite, so it runs the backward of the healer's loss_fn on the fp16
+    # output: the loop's own `healing.loss_fn`, in fp32 (torch 2.11's mse_loss of an fp16
+    # output and an fp32 target cannot run its backward: "Found dtype Float but expected Half").
     model = healing.build(hostile=())
     scaler = fxamp.LossScaler(init_scale=2.0**40, growth_interval=2, max_loss_scale=None,
                               compile=False)

@@ -11,8 +11,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import fxamp
+from fxamp.float8.config import recipe_refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -62,8 +64,13 @@ def test_planner_example_plans_saves_applies_and_explains():
     out = _run("examples.planner")
     assert "float8: 1 of 3 GEMMs | modeled GEMM time of a training step on h100" in out
     assert "loaded plan equal: True" in out
-    assert ("skip_modules '2'; stays bf16; plan: bf16: the float8 rowwise error of its output, 1, "
-            "exceeds the budget 0.1") in out
+    # torch 2.11 runs no row-scaled float8 GEMM on CPU: its plan is tensorwise, and says why
+    # (Note [A recipe this device cannot run is not measured])
+    rowwise = recipe_refusal("rowwise", "cpu", torch.bfloat16) is None
+    recipe, error = ("rowwise", "1") if rowwise else ("tensorwise", "0.999")
+    assert (f"skip_modules '2'; stays bf16; plan: bf16: the float8 {recipe} error of its output, "
+            f"{error}, exceeds the budget 0.1") in out
+    assert rowwise or f"float8 rowwise was not measured: torch {torch.__version__} " in out
     assert "step 2: loss" in out
 
 

@@ -87,7 +87,7 @@ def test_a_failure_of_the_users_code_keeps_the_model_prepared():
     assert not isinstance(info.value, (ConfigError, fxamp.FxampError))
     assert fxamp.config_of(model) is not None and model.a.weight.dtype == torch.bfloat16
     assert model(torch.randn(3, 4)).dtype == torch.float32
-    assert model._compiled_call_impl._record.originals == []  # freed after the first success
+    assert model._compiled_call_impl.first._record.originals == []  # freed after the first success
 
 
 def test_model_cast_after_compile_is_named():

@@ -60,36 +60,36 @@ t_5: bf16[32,64] = t(t_3)
 detach_1: bf16[16,64] = detach(detach)
 threshold_backward: bf16[16,64] = threshold_backward(mm_2, detach_1, 0)
 view_2: bf16[16,64] = view(threshold_backward, [16, 64])
-t_9: bf16[64,16] = t(view_2)
-abs_5: bf16[64,16] = abs(t_9)
+abs_3: bf16[16,64] = abs(view_2)
+max_3: bf16[] = max(abs_3)
+_to_copy_11: f64[] = _to_copy(max_3, dtype=f64)
+clamp_4: f64[] = clamp(_to_copy_11, 1e-12)
+reciprocal_4: f64[] = reciprocal(clamp_4)
+mul_4: f64[] = mul.Tensor(reciprocal_4, 57344.0)
+_to_copy_12: f32[] = _to_copy(mul_4, dtype=f32)
+_to_copy_13: f32[16,64] = _to_copy(view_2, dtype=f32)
+mul_5: f32[16,64] = mul.Tensor(_to_copy_13, _to_copy_12)
+clamp_5: f32[16,64] = clamp(mul_5, -57344.0, 57344.0)
+_to_copy_14: e5m2[16,64] = _to_copy(clamp_5, dtype=e5m2)
+t_9: e5m2[64,16] = t(_to_copy_14)
+abs_5: bf16[16,64] = abs(view)
 max_5: bf16[] = max(abs_5)
 _to_copy_19: f64[] = _to_copy(max_5, dtype=f64)
 clamp_8: f64[] = clamp(_to_copy_19, 1e-12)
 reciprocal_8: f64[] = reciprocal(clamp_8)
-mul_8: f64[] = mul.Tensor(reciprocal_8, 57344.0)
+mul_8: f64[] = mul.Tensor(reciprocal_8, 448.0)
 _to_copy_20: f32[] = _to_copy(mul_8, dtype=f32)
-_to_copy_21: f32[64,16] = _to_copy(t_9, dtype=f32)
-mul_9: f32[64,16] = mul.Tensor(_to_copy_21, _to_copy_20)
-clamp_9: f32[64,16] = clamp(mul_9, -57344.0, 57344.0)
-_to_copy_22: e5m2[64,16] = _to_copy(clamp_9, dtype=e5m2)
-abs_6: bf16[16,64] = abs(view)
-max_6: bf16[] = max(abs_6)
-_to_copy_23: f64[] = _to_copy(max_6, dtype=f64)
-clamp_10: f64[] = clamp(_to_copy_23, 1e-12)
-reciprocal_9: f64[] = reciprocal(clamp_10)
-mul_10: f64[] = mul.Tensor(reciprocal_9, 448.0)
-_to_copy_24: f32[] = _to_copy(mul_10, dtype=f32)
-_to_copy_25: f32[16,64] = _to_copy(view, dtype=f32)
-mul_11: f32[16,64] = mul.Tensor(_to_copy_25, _to_copy_24)
-clamp_11: f32[16,64] = clamp(mul_11, -448.0, 448.0)
-_to_copy_26: e4m3[16,64] = _to_copy(clamp_11, dtype=e4m3)
-clone_1: e5m2[64,16] = clone(_to_copy_22, memory_format=torch.contiguous_format)
-t_10: e4m3[64,16] = t(_to_copy_26)
+_to_copy_21: f32[16,64] = _to_copy(view, dtype=f32)
+mul_9: f32[16,64] = mul.Tensor(_to_copy_21, _to_copy_20)
+clamp_9: f32[16,64] = clamp(mul_9, -448.0, 448.0)
+_to_copy_22: e4m3[16,64] = _to_copy(clamp_9, dtype=e4m3)
+clone_1: e5m2[64,16] = clone(t_9, memory_format=torch.contiguous_format)
+t_10: e4m3[64,16] = t(_to_copy_22)
 clone_2: e4m3[64,16] = clone(t_10, memory_format=torch.contiguous_format)
 t_11: e4m3[16,64] = t(clone_2)
+reciprocal_9: f32[] = reciprocal(_to_copy_12)
 reciprocal_10: f32[] = reciprocal(_to_copy_20)
-reciprocal_11: f32[] = reciprocal(_to_copy_24)
-_scaled_mm_2: bf16[64,64] = _scaled_mm(clone_1, t_11, reciprocal_10, reciprocal_11, None, None, bf16)
+_scaled_mm_2: bf16[64,64] = _scaled_mm(clone_1, t_11, reciprocal_9, reciprocal_10, None, None, bf16)
 t_12: bf16[64,64] = t(_scaled_mm_2)
 t_13: bf16[64,64] = t(t_12)
 return [None, t_13, t_5]""")
@@ -162,3 +162,28 @@ class TestFloat8GradWeightHpGolden(expecttest.TestCase):
 _scaled_mm.default(float8_e4m3fn, float8_e4m3fn) -> bfloat16
 mm.default(bfloat16, bfloat16) -> bfloat16
 mm.default(bfloat16, bfloat16) -> bfloat16""")
+
+
+class ThreeLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.ModuleList(torch.nn.Linear(64, 64, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        for fc in self.fc:
+            x = torch.relu(fc(x))
+        return x
+
+
+def _casts_to(gm, dtype):
+    return [n for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default
+            and n.kwargs.get("dtype") is dtype]
+
+
+def test_a_tensor_scaled_gradient_is_cast_once():
+    # Note [Cast once, then transpose]: fc2 and fc3 need grad_input and grad_weight, fc1 (whose
+    # input is the model's) grad_weight only: one e5m2 cast per gradient, its transpose for the
+    # second GEMM (5 casts when the transposed gradient was cast anew).
+    report = fxamp.explain(ThreeLayers(), torch.randn(16, 64), opt_level="O2",
+                           float8="tensorwise", backward=True)
+    assert len(_casts_to(report.backward_graphs[0], torch.float8_e5m2)) == 3

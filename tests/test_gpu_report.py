@@ -27,11 +27,11 @@ def test_smoke_runs_every_stage_and_writes_the_report(tmp_path):
                           capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "out" / "gpu_report.json").read_text())
-    assert [s["name"] for s in report["stages"]] == list(gpu_report.STAGES)  # priority order
+    assert [s["name"] for s in report["stages"]] == list(gpu_report.ORDER)  # priority order
     assert {p["name"]: p["status"] for s in report["stages"] for p in s["parts"]} == {
-        "tests-gpu": "ok", "optimizer": "ok", "e2e-gpt2-bf16": "ok",
+        "float8-llama1b": "ok", "whole-stack": "ok", "optimizer": "ok", "tests-gpu": "ok",
         "float8-gpt2-bf16+fxamp-f8": "ok", "float8-gpt2-torchao-f8+fxamp-f8-delay": "ok",
-        "e2e-resnet-bf16": "ok", "float8-llama1b": "ok"}
+        "e2e-gpt2-bf16": "ok", "e2e-resnet-bf16": "ok"}
     tests = report["tests"]  # no CUDA here: every GPU test collected, and skipped
     assert tests["skipped"] >= 4 and tests["passed"] == tests["failed"] == 0
     size = report["optimizer"]["sizes"][0]
@@ -46,21 +46,27 @@ def test_smoke_runs_every_stage_and_writes_the_report(tmp_path):
                           for recipe in ("eager", "compile", "fxamp-O2")}
     assert all(m["step_ms"] > 0 and m["throughput"] > 0 for m in timed.values())
     assert timed[("gpt2", "fxamp-O2")]["breakdown"]["fxamp_s"] > 0
+    assert all(r["kernel_list"] and r["ready_s"] > 0 for r in rows.values())
     float8 = report["float8"]
     ran = {m for m, r in float8["gpt2"].items() if "seconds" in r}
-    assert {"bf16", "fxamp-f8", "fxamp-f8-delay"} <= ran and "fxamp-f8" in float8["llama1b"]
+    assert {"bf16", "fxamp-f8", "fxamp-f8-delay"} <= ran
+    llama = {m for m, r in float8["llama1b"].items() if "seconds" in r}
+    assert {"fxamp-f8", "compile-autocast", "whole-stack"} <= llama
+    assert all(float8["llama1b"][m]["kernels"] for m in llama)  # the profiled step
     if _imports("torchao"):
-        assert "torchao-f8" in ran and "torchao AdamW8bit" in rows
+        assert {"torchao-f8"} <= ran & llama and "torchao AdamW8bit" in rows
     markdown = (tmp_path / "out" / "gpu_report.md").read_text()
     for heading in ("| stage | status |", "CUDA tests", "| O2 (bfloat16) | fxamp |",
-                    "| gpt2 | bf16 | fxamp-O2 |", "Dynamo capture", "| gpt2 | fxamp-f8 |",
-                    "Targets:", "fxamp-f8 / bf16"):
+                    "fxamp's kernels in one profiled step", "| gpt2 | bf16 | fxamp-O2 |",
+                    "Dynamo capture", "| gpt2 | fxamp-f8 |", "| llama1b | whole-stack |",
+                    "Where a training step's time goes", "Targets:", "fxamp-f8 / bf16",
+                    "llama1b whole stack: tokens/s vs compile-autocast"):
         assert heading in markdown
     assert (tmp_path / "OUT" / "gpu_report.md").read_text() == markdown
     with tarfile.open(tmp_path / "OUT" / "r.tar.gz") as tar:
         names = set(tar.getnames())
     assert {"gpu_report/gpu_report.json", "gpu_report/optimizer.log",
-            "gpu_report/float8-llama1b.json"} <= names
+            "gpu_report/float8-llama1b.json", "gpu_report/whole-stack.json"} <= names
     assert sorted(p.name for p in (tmp_path / "OUT").iterdir()) == ["gpu_report.md", "r.tar.gz"]
 
 
@@ -107,6 +113,32 @@ def test_a_stage_gets_its_share_of_what_is_left_and_is_skipped_below_its_minimum
     assert time.time() < deadline < time.time() + b.cap_s
     assert c.status.startswith("skipped") and c.parts[0].status == "skipped"
     assert seen[0] == ["ok", "not started", "not started"] and len(seen) == 3
+
+
+def test_the_stages_after_the_first_tier_get_what_it_left(tmp_path):
+    # Note [Shares of the time left]: the first tier shares the budget among itself (the later
+    # stages' shares do not shrink it); a later stage gets all that is left, or is skipped.
+    stages = [gpu_stages.Stage("new", [_part("new", "pass")], share=0.5),
+              gpu_stages.Stage("again", [_part("again", "pass")], share=0.5, first=False),
+              gpu_stages.Stage("too-big", [_part("too-big", "pass")], share=0.5, min_s=1000,
+                               first=False),
+              gpu_stages.Stage("last", [_part("last", "pass")], share=0.1, first=False)]
+    gpu_stages.run(stages, str(tmp_path), budget_s=100.0, root=str(ROOT))
+    new, again, too_big, last = stages
+    assert new.cap_s == pytest.approx(100, abs=1) and new.status == "ok"
+    assert again.cap_s == pytest.approx(100 - new.wall_s, abs=1) and again.status == "ok"
+    assert too_big.status.startswith("skipped") and last.status == "ok"
+
+
+def test_the_report_measures_first_what_no_report_has_measured():
+    # Note [Measured first]: the default order, and `--stages` keeps the order given.
+    stages = gpu_report.plan("/tmp/unused", smoke=False)
+    assert [s.name for s in stages] == list(gpu_report.ORDER)
+    assert [s.name for s in stages if s.first] == list(gpu_report.FIRST)
+    assert list(gpu_report.FIRST) == list(gpu_report.ORDER[:len(gpu_report.FIRST)])
+    assert {"float8-llama1b", "whole-stack"} <= set(gpu_report.FIRST)
+    chosen = gpu_report.plan("/tmp/unused", smoke=False, names=["e2e-resnet", "tests"])
+    assert [(s.name, s.first) for s in chosen] == [("e2e-resnet", True), ("tests", True)]
 
 
 def test_gpt2s_conv1d_become_the_same_linear_layers():

@@ -5,6 +5,7 @@ through fxamp.compile, its JSON and its refusals."""
 import dataclasses
 import json
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 
 import fxamp
 from fxamp.errors import ConfigError
+from fxamp.float8.config import recipe_refusal
 from fxamp.float8.gemm import Float8MM
 from fxamp.planner import GemmShape, PlannedGemm, PrecisionPlan, Target
 from fxamp.planner.choose import _per_module, _planned
@@ -24,6 +26,12 @@ from planner_models import (Hostile, folded_norm_mlp, gpt2, lm_loss, offset_batc
                             offset_regression, outlier_mlp, regression_batches, token_batch)
 
 TOY = Target("toy", 1, 2, 2, 4, 1e9)  # compute-bound everywhere: float8 always pays
+# torch 2.11 runs only tensor-scaled float8 GEMMs on CPU (2.13 and 2.14 row-scaled ones too):
+# there rowwise is not measured and plans are tensorwise; elsewhere the tie between equally
+# fast recipes goes to the more accurate, rowwise (Note [A recipe this device cannot run is
+# not measured]).
+ROWWISE = recipe_refusal("rowwise", "cpu", torch.bfloat16) is None
+RECIPE = "rowwise" if ROWWISE else "tensorwise"
 
 
 # ------------------------------------------------------------------------------ measuring
@@ -31,7 +39,8 @@ def test_candidate_errors_match_a_float64_reference():
     torch.manual_seed(0)
     a, b, g = torch.randn(32, 64), torch.randn(64, 48) / 8, torch.randn(32, 48)
     errors, max_abs = candidate_errors(a, b, g, grad_input=True, grad_weight=True,
-                                       dtype=torch.bfloat16, float8=True)
+                                       dtype=torch.bfloat16, recipes=("tensorwise",))
+    assert sorted(errors) == ["bf16", "fp16", "tensorwise"]  # the recipes asked for only
     ref = {"output": a.double() @ b.double(), "grad_input": g.double() @ b.double().T,
            "grad_weight": a.double().T @ g.double()}
     q = lambda t: t.bfloat16().double()
@@ -55,7 +64,7 @@ def test_candidate_errors_match_a_float64_reference():
 def test_exact_operands_have_no_error_and_overflow_is_inf():
     a = torch.tensor([[1.0, -2.0], [0.5, 4.0]]).repeat(8, 8)
     errors, _ = candidate_errors(a, a.T.contiguous(), None, grad_input=False,
-                                 grad_weight=False, dtype=torch.bfloat16, float8=False)
+                                 grad_weight=False, dtype=torch.bfloat16)
     assert errors["bf16"]["output"] == 0.0 and errors["fp16"]["output"] == 0.0
     assert relative_error(torch.tensor([math.inf, 1.0]), torch.tensor([1.0, 1.0])) == math.inf
 
@@ -68,7 +77,7 @@ def test_candidate_errors_of_the_whole_op_match_a_float64_reference():
     c = -(alpha / beta) * (a.mean(0) @ b)
     errors, max_abs = candidate_errors(a, b, None, c=c, alpha=alpha, beta=beta,
                                        grad_input=False, grad_weight=False,
-                                       dtype=torch.bfloat16, float8=False)
+                                       dtype=torch.bfloat16)
     ref = beta * c.double() + alpha * (a.double() @ b.double())
     q = lambda t: t.bfloat16().double()
     bf16 = q(beta * q(c) + alpha * (q(a) @ q(b)))
@@ -78,8 +87,7 @@ def test_candidate_errors_of_the_whole_op_match_a_float64_reference():
     assert max_abs["bias"] == pytest.approx(float(c.abs().max()))
     # beta = 0 ignores c, its inf included, as addmm does
     ignored, _ = candidate_errors(a, b, None, c=torch.full((48,), math.inf), beta=0,
-                                  grad_input=False, grad_weight=False, dtype=torch.bfloat16,
-                                  float8=False)
+                                  grad_input=False, grad_weight=False, dtype=torch.bfloat16)
     assert ignored["bf16"]["output"] < 2 ** -7
 
 
@@ -95,7 +103,8 @@ def test_each_gemm_is_measured_as_the_op_runs_in_bf16(hostile):
     # the bias / c that cancels the product, alpha and beta, broadcast batch dims and a 1-D
     # operand: the measured bf16 error of each output is the real bf16 op's (autocast's)
     model, batch = hostile
-    measures, _ = measure(model, [batch], F.mse_loss, dtype=torch.bfloat16, device_type="cpu")
+    measures, _ = measure(model, [batch], F.mse_loss, dtype=torch.bfloat16, device_type="cpu",
+                          recipes=())
     measured = {m.site.module: m.errors["bf16"]["output"] for m in measures}
     assert sorted(measured) == sorted(name for name, _ in model.named_children())
     for name, module in model.named_children():
@@ -152,6 +161,7 @@ def _by_module(plan):
 
 
 def test_gpt2_plan_puts_the_large_gemms_in_float8_and_keeps_the_small_ones(gpt2_plan):
+    assert gpt2_plan.recipe == RECIPE
     sites = _by_module(gpt2_plan)
     for big in ("transformer.h.0.mlp.c_fc", "transformer.h.0.mlp.c_proj",
                 "transformer.h.0.attn.c_attn"):
@@ -176,9 +186,16 @@ def outlier_plan():
 
 def test_outlier_layer_stays_bf16_for_its_float8_error(outlier_plan):
     sites = _by_module(outlier_plan)
-    assert sites["0"].precision in ("tensorwise", "rowwise"), sites["0"].reason
+    assert outlier_plan.recipe == RECIPE and sites["0"].precision == RECIPE, sites["0"].reason
     assert sites["2"].precision == "bf16"
-    assert sites["2"].error("tensorwise") > 0.5 and sites["2"].error("rowwise") > 0.5
+    assert sites["2"].error("tensorwise") > 0.5
+    if ROWWISE:
+        assert sites["2"].error("rowwise") > 0.5
+    else:  # not measured, and each GEMM float8 could run says so
+        assert "rowwise" not in dict(sites["2"].errors)
+        assert all(f" float8 rowwise was not measured: torch {torch.__version__} cannot run it "
+                   "on cpu; torch._scaled_mm refused a row-scaled float8 GEMM (" in s.reason
+                   for s in outlier_plan.sites)
     assert sites["2"].reason.startswith(f"bf16: the float8 {outlier_plan.recipe} error of its "
                                         "output, ") and "exceeds the budget 0.1" in \
         sites["2"].reason
@@ -196,6 +213,40 @@ def test_fp16_plan_keeps_the_outlier_layer_in_fp32():
     assert sites["2"].precision == "fp32" and sites["2"].reason.startswith("fp32: fp16 overflows")
     assert plan.module_overrides() == {"2": "fp32"}
     assert plan.to_config().module_overrides == (("2", "fp32"),)
+
+
+def _refuse(*recipes):
+    # recipe_refusal as on a torch that runs none of `recipes` here (torch 2.11 on CPU: rowwise)
+    return lambda recipe, device, dtype: (f"torch._scaled_mm refused {recipe} (its words)"
+                                          if recipe in recipes else None)
+
+
+def test_a_recipe_this_torch_cannot_run_is_not_measured_and_the_plan_says_why():
+    # Note [A recipe this device cannot run is not measured]: the plan is one fxamp.compile
+    # can apply here, and each GEMM float8 could run says why the other recipe is missing.
+    batch = regression_batches(1)[0]
+    with mock.patch("fxamp.planner.choose.recipe_refusal", _refuse("rowwise")):
+        plan = fxamp.plan(outlier_mlp(), batch, F.mse_loss, target=TOY)
+    assert plan.recipe == "tensorwise" and [s.precision for s in plan.sites] == [
+        "tensorwise", "bf16", "tensorwise"]
+    assert all("rowwise" not in dict(s.errors) for s in plan.sites)
+    assert plan.sites[1].reason == (
+        "bf16: the float8 tensorwise error of its output, "
+        f"{plan.sites[1].error('tensorwise'):.3g}, exceeds the budget 0.1; the bf16 error is "
+        f"{plan.sites[1].error('bf16'):.3g}. float8 rowwise was not measured: torch "
+        f"{torch.__version__} cannot run it on cpu; torch._scaled_mm refused rowwise (its "
+        "words).")
+    fxamp.compile(outlier_mlp(), plan=plan, compiler="aot_eager")(batch[0])
+    # none of the recipes asked for: float8 cannot run any GEMM, and each says why
+    with mock.patch("fxamp.planner.choose.recipe_refusal", _refuse("rowwise")):
+        plan = fxamp.plan(outlier_mlp(), batch, F.mse_loss, target=TOY, recipes="rowwise")
+    assert plan.recipe is None and plan.to_config().float8 is None
+    assert [s.precision for s in plan.sites] == ["bf16"] * 3
+    assert plan.sites[0].reason == (
+        f"bf16: float8 cannot run it (torch {torch.__version__} cannot run float8 rowwise on "
+        "cpu; torch._scaled_mm refused rowwise (its words)); the bf16 error is "
+        f"{plan.sites[0].error('bf16'):.3g}.")
+    assert PrecisionPlan.from_json(plan.to_json()) == plan
 
 
 # ------------------------------------------------------------------------------ applying
@@ -268,7 +319,7 @@ def test_json_round_trip(tmp_path):
         PrecisionPlan.from_json('{"fxamp_plan": 1, "sites": []}')
     edited = plan.to_json().replace('"precision": "bf16"', '"precision": "fp8"')
     with pytest.raises(ConfigError, match=r"plan site '2' \(linear_1\): precision 'fp8' is not "
-                                          r"one of 'fp32', 'bf16', 'rowwise'"):
+                                          rf"one of 'fp32', 'bf16', '{RECIPE}'"):
         PrecisionPlan.from_json(edited)
 
 

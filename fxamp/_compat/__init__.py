@@ -18,8 +18,9 @@ from fxamp._compat.dynamo import (BackendCompilerFailed, Unsupported, UserError,
                                   compile_symbolic,
                                   compile_time_metrics, dynamo_counters, dynamo_traces_rnns,
                                   isolated_recompiles)
-from fxamp._compat.inductor import (compile_fx, inductor_config_keys, list_mode_options,
-                                    make_boxed_func, recompute_pointwise_options,
+from fxamp._compat.inductor import (compile_fx, fuse_unrelated_options, inductor_config_keys,
+                                    list_mode_options, make_boxed_func,
+                                    recompute_pointwise_options,
                                     run_and_get_code, without_donated_buffers)
 from fxamp._compat.kernels import (foreach_add_, foreach_copy_, scaled_mm, scaled_mm_refusal,
                                    unscale_and_check_)
@@ -42,7 +43,7 @@ __all__ = [
     "dynamo_counters", "dynamo_traces_rnns", "isolated_recompiles", "emit_call",
     "ENTER_AUTOCAST", "EXAMPLE_VALUE",
     "EXIT_AUTOCAST", "FakeTensor", "FakeTensorMode", "foreach_add_", "foreach_copy_",
-    "from_node_names", "fsdp_module_class", "functional_all_reduce", "FWD_NN_MODULE_STACK",
+    "from_node_names", "fsdp_module_class", "fuse_unrelated_options", "functional_all_reduce", "FWD_NN_MODULE_STACK",
     "GET_DATA_ATTR", "HigherOrderOperator", "inductor_config_keys", "list_mode_options",
     "make_boxed_func", "make_fx", "make_fx_tracer", "NORM_MODULE_TYPES", "OpOverload",
     "own_tensors", "PARTITIONER_TAG", "python_dispatcher", "pytree",

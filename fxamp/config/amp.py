@@ -98,6 +98,7 @@ class AmpConfig:
     device_type = PartField("graph")
     float8 = PartField("graph")
     plan_reasons = PartField("graph")
+    model_boundary = PartField("graph")
     master_weights = PartField("scaler")
     loss_scale = PartField("scaler")
     min_loss_scale = PartField("scaler")
@@ -124,6 +125,7 @@ class AmpConfig:
         num_losses: int = 1,
         float8: Any = None,
         plan_reasons: tuple[tuple[str, str], ...] = (),
+        model_boundary: str = "call",
     ) -> "AmpConfig":
         """The preset of an Apex opt level with Apex-style overrides (any non-None value wins).
 
@@ -171,6 +173,7 @@ class AmpConfig:
             module_overrides=_freeze_overrides(module_overrides),
             float8=as_float8_config(float8),
             plan_reasons=tuple(plan_reasons),
+            model_boundary=model_boundary,
         )
         scaler = ScalerConfig(master_weights=preset["master_weights"],
                               loss_scale=preset["loss_scale"], min_loss_scale=min_loss_scale,

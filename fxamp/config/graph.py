@@ -16,6 +16,8 @@ from fxamp.policy.names import check_override_key
 
 __all__ = ["GraphConfig"]
 
+_BOUNDARIES = ("call", "modules")
+
 
 @dataclasses.dataclass(frozen=True)
 class GraphConfig:
@@ -47,6 +49,10 @@ class GraphConfig:
             (docs/float8.md), or None.
         plan_reasons: (module path, reason) pairs a PrecisionPlan gave for its choices
             (docs/planner.md); explain() prints each with the decisions of its module.
+        model_boundary: where O0/O2/O3 cast floating inputs to the model dtype and outputs to
+            `cast_model_outputs`: "call" (Apex's: the model's call, and the graphs' fp32
+            inputs), or "modules" (each module call made from outside the model's modules,
+            and no graph input: Note [Methods compiled with the model]; the Lightning plugin's).
     """
 
     opt_level: str = "O1"
@@ -62,9 +68,13 @@ class GraphConfig:
     device_type: Optional[str] = None
     float8: Optional[Float8Config] = None
     plan_reasons: tuple[tuple[str, str], ...] = ()
+    model_boundary: str = "call"
 
     def __post_init__(self) -> None:
         check_opt_level(self.opt_level)
+        if self.model_boundary not in _BOUNDARIES:
+            raise ConfigError(f"model_boundary={self.model_boundary!r} is not one of "
+                              f"{', '.join(map(repr, _BOUNDARIES))}")
         if not isinstance(self.plan_reasons, tuple) or not all(
                 isinstance(p, tuple) and len(p) == 2 and all(isinstance(x, str) for x in p)
                 for p in self.plan_reasons):

@@ -99,7 +99,8 @@ class Healer:
             change dtype under the optimizer).
         scaler: the enabled LossScaler the loop steps with.
         loss_fn: `loss_fn(output, target)`, as for `locate_overflow` (batches are then
-            `(inputs, target)` pairs); None differentiates the sum of the outputs.
+            `(inputs, target)` pairs); None differentiates the sum of the outputs. The loss
+            the loop computes, casts included: the locator reruns the step with it.
         every: read the scaler every `every` observed steps (one host read each time).
         skips: heal when at least this many steps were skipped since the last read (or one
             was, with the scale at its floor).

@@ -19,7 +19,8 @@ import torch
 
 from fxamp.errors import ConfigError
 
-__all__ = ["Float8Config", "Recipe", "RECIPES", "SCALINGS", "E4M3", "E5M2", "as_float8_config"]
+__all__ = ["Float8Config", "Recipe", "RECIPES", "SCALINGS", "E4M3", "E5M2", "as_float8_config",
+           "check_float8_support", "recipe_refusal"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -126,20 +127,31 @@ def as_float8_config(value: Union[None, str, Float8Config]) -> Optional[Float8Co
                       f"({', '.join(map(repr, RECIPES))}) or a fxamp.Float8Config")
 
 
+def recipe_refusal(recipe: str, device_type: str, dtype: Optional[torch.dtype]) -> Optional[str]:
+    """Why this torch build cannot run float8 `recipe` on `device_type` for a model in
+    `dtype` ("torch._scaled_mm refused a row-scaled float8 GEMM (<its error>)"), or None when
+    it can: `torch._scaled_mm` is probed with the recipe's scales. The one question both the
+    float8 pass (check_float8_support) and the planner ask."""
+    from fxamp._compat import scaled_mm_refusal  # lazily: _compat imports torch._dynamo
+
+    rowwise = RECIPES[recipe].rowwise
+    why = scaled_mm_refusal(device_type, rowwise,
+                            torch.bfloat16 if rowwise else (dtype or torch.float32))
+    if why is None:
+        return None
+    return f"torch._scaled_mm refused a {'row' if rowwise else 'tensor'}-scaled float8 GEMM ({why})"
+
+
 def check_float8_support(f8: Optional[Float8Config], device_type: str,
                          dtype: Optional[torch.dtype]) -> None:
     """Refuse a float8 config that this torch build cannot run on `device_type` (before
-    anything is changed): `torch._scaled_mm` is probed with the recipe's scales."""
+    anything is changed)."""
     if f8 is None:
         return
-    from fxamp._compat import scaled_mm_refusal  # lazily: _compat imports torch._dynamo
-
-    out = torch.bfloat16 if f8.spec.rowwise else (dtype or torch.float32)
-    why = scaled_mm_refusal(device_type, f8.spec.rowwise, out)
+    why = recipe_refusal(f8.recipe, device_type, dtype)
     if why is not None:
         raise ConfigError(
             f"float8 recipe {f8.recipe!r} cannot run on {device_type!r} with torch "
-            f"{torch.__version__}: torch._scaled_mm refused a {'row' if f8.spec.rowwise else 'tensor'}"
-            f"-scaled float8 GEMM ({why}). Use recipe='tensorwise'"
+            f"{torch.__version__}: {why}. Use recipe='tensorwise'"
             f"{'' if f8.spec.rowwise else ' on a GPU with compute capability 8.9+'}, a newer "
             "torch, or float8=None")

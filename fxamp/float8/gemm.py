@@ -123,15 +123,34 @@ class Float8MM(torch.autograd.Function):
         r = ctx.recipe
         scale_a, scale_b = delayed or (None, None)
         g8 = _operand(grad, r.grad_output, r, True)
-        bt8 = _operand(_t(b), r.weight, r, False, scale_b,
-                       rowwise=r.rowwise and not r.weight_tensorwise_for_grad_input)
+        # Note [Cast once, then transpose]
+        weight_rowwise = r.rowwise and not r.weight_tensorwise_for_grad_input
+        bt8 = (_operand(_t(b), r.weight, r, False, scale_b, rowwise=True) if weight_rowwise
+               else _transposed(_operand(b, r.weight, r, False, scale_b, rowwise=False)))
         grad_a = _gemm(g8, bt8, grad.dtype, False)
         if r.grad_weight_hp:
             return grad_a, _t(_hp_mm(_t(grad), a)), None, None, None, None
-        gt8 = _operand(_t(grad), r.grad_output, r, True)
+        gt8 = _operand(_t(grad), r.grad_output, r, True) if r.rowwise else _transposed(g8)
         a8 = _operand(a, r.input, r, False, scale_a)
         grad_b = _t(_gemm(gt8, a8, grad.dtype, False))
         return grad_a, grad_b, None, None, None, None
+
+
+# Note [Cast once, then transpose]
+# A tensor-scaled operand has one scale for all its elements, so the float8 cast of its
+# transpose is the transpose of its cast, bit for bit. The backward takes the gradient's cast
+# for the grad_weight GEMM from the one the grad_input GEMM made, and the weight's cast of the
+# grad_input GEMM from the weight as the forward GEMM cast it. It cast `grad.t()` and `b.t()`
+# anew: a second amax pass and cast over the gradient, and in the compiled graph a weight cast
+# that Inductor could not share with the forward's (AOTAutograd merges identical nodes of the
+# joint graph only; the same ops on a transposed view are other nodes). torchao casts the
+# untransposed tensor twice and transposes the float8 result, which those passes merge. A
+# row-scaled operand is scaled along another axis for each GEMM and is still cast per GEMM.
+
+
+def _transposed(s: Scaled) -> Scaled:
+    # a tensor-scaled operand (scale 0-dim, or one per batch entry [B, 1, 1]) transposed
+    return Scaled(_t(s.data), s.scale, s.rowwise)
 
 
 def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

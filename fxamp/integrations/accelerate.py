@@ -4,7 +4,10 @@ accelerate's own fp16 path assumes torch's GradScaler: `clip_grad_norm_` unscale
 it (and only when accelerate itself runs fp16 autocast), and a step counts as skipped when
 GradScaler did not call `optimizer.step`. fxamp's step is always called, and skips inside the
 compiled graph. This subclass keeps accelerate's autocast and GradScaler off and gives the
-methods a training loop calls fxamp's meaning.
+methods a training loop calls fxamp's meaning: the prepared fxamp optimizers report their
+skipped steps as accelerate's optimizer wrappers do (its prepared lr schedulers hold on them),
+and schedulers built on the torch optimizers fxamp replaced drive the fused ones (Note
+[Schedulers of a replaced optimizer] in fxamp/optim/apex/convert.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any, Iterable, Optional
 import accelerate
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.scheduler import AcceleratedScheduler
 
 from fxamp.arguments import check_compiler
 from fxamp.config import AmpConfig
@@ -22,8 +26,10 @@ from fxamp.errors import ConfigError
 from fxamp.optim import FusedOptimizer, LossScaler, initialize, master_params, unscale_
 from fxamp.optim.apex.convert import fused_class
 from fxamp.model.prepare import config_of
+from fxamp.integrations.accelerate_state import (load_models_with_tied_views,
+                                                 save_views_as_tensors)
 
-__all__ = ["Accelerator"]
+__all__ = ["Accelerator", "FusedAcceleratedOptimizer"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "no": None}
 
@@ -36,8 +42,12 @@ class Accelerator(accelerate.Accelerator):
     unscales, skips on inf/nan and moves the loss scale without a host read. Afterwards:
     `backward` scales the loss, `clip_grad_norm_` clips (and returns the norm of) the unscaled
     fp32 master gradients, `unscale_gradients` unscales `.grad` in place,
-    `optimizer_step_was_skipped` reads the step's overflow flag (one host read), and
-    `save_state` / `load_state` carry the loss scaler (`accelerator.scaler`).
+    `optimizer_step_was_skipped` reads the step's overflow flag (one host read), prepared lr
+    schedulers (built before or after `prepare`) step the fused optimizer and hold on a
+    skipped step, as with accelerate's GradScaler, and `save_state` / `load_state` carry the
+    loss scaler (`accelerator.scaler`). The model's floating outputs come back in fp32, as
+    accelerate's own mixed precision gives them (`cast_model_outputs` in `amp_options` to
+    change it).
 
     Args:
         opt_level: "O0", "O1", "O2" or "O3".
@@ -60,6 +70,9 @@ class Accelerator(accelerate.Accelerator):
         dtype = _dtype(kwargs.pop("mixed_precision", None), amp_options)
         if dtype is not None:
             amp_options["dtype"] = dtype
+        # accelerate hands the model's floating outputs back in fp32 (convert_outputs_to_fp32),
+        # so a loss computed from them is computed in fp32; fxamp's O1 would leave them 16-bit.
+        amp_options.setdefault("cast_model_outputs", torch.float32)
         _check_dynamo(kwargs.pop("dynamo_backend", None), kwargs.get("dynamo_plugin"))
         if kwargs.get("dynamo_plugin") is None:
             kwargs["dynamo_backend"] = "no"  # over ACCELERATE_DYNAMO_BACKEND=fxamp
@@ -71,6 +84,8 @@ class Accelerator(accelerate.Accelerator):
         self._loss_scaler = LossScaler.from_config(self.amp_config,
                                                    compile=compiler == "inductor")
         super().__init__(mixed_precision="no", **kwargs)  # everything is checked
+        self.register_save_state_pre_hook(save_views_as_tensors)
+        self.register_load_state_pre_hook(load_models_with_tied_views)
 
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
         """accelerate's `prepare`, with fxamp's opt level applied first to the models not yet
@@ -84,12 +99,31 @@ class Accelerator(accelerate.Accelerator):
         # Note [fxamp's optimizers step themselves]: AcceleratedOptimizer given a scaler calls
         # `scaler.step(opt)` and decides "skipped" by whether opt.step ran; fxamp's step always
         # runs and skips on the device. Without one, `opt.step()` divides by the scale its
-        # gradients carry (the optimizer's loss scaler).
+        # gradients carry (the optimizer's loss scaler), and the wrapper asks fxamp's
+        # optimizer whether its step was skipped (as accelerate's DeepSpeed wrapper does).
+        if isinstance(optimizer, FusedOptimizer):
+            if device_placement is None:
+                device_placement = self.device_placement
+            prepared = FusedAcceleratedOptimizer(optimizer, device_placement=device_placement)
+            self._optimizers.append(prepared)
+            return prepared
         held, self.scaler = self.scaler, None
         try:
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
         finally:
             self.scaler = held
+
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """accelerate's, with a scheduler built on a torch optimizer fxamp replaced paired with
+        the fused optimizer that took its param groups (accelerate pairs by identity)."""
+        prepared = super().prepare_scheduler(scheduler)
+        bound = getattr(scheduler, "optimizer", None)
+        if isinstance(prepared, AcceleratedScheduler) and prepared.optimizers is self._optimizers:
+            owners = [o for o in self._optimizers
+                      if getattr(bound, "param_groups", None) is o.optimizer.param_groups]
+            if len(owners) == 1:
+                prepared.optimizers = owners
+        return prepared
 
     def unscale_gradients(self, optimizer: Any = None) -> None:
         """Divide the `.grad` of fxamp's optimizers' parameters by the loss scale, in place
@@ -110,18 +144,6 @@ class Accelerator(accelerate.Accelerator):
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         masters = [m for opt in owners for m in master_params(opt)]
         return torch.nn.utils.clip_grad_norm_(masters, max_norm, norm_type=norm_type)
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """Whether the last step of any prepared optimizer was skipped (inf/nan gradients).
-        Reads fxamp's overflow flag back from the device."""
-        for acc in self._optimizers:
-            opt = _inner([acc])[0]
-            skipped = (opt.last_step_skipped() if isinstance(opt, FusedOptimizer)
-                       else acc.step_was_skipped)
-            if skipped:
-                return True
-        return False
 
     def apply_amp(self, *args: Any) -> tuple:
         """`args` with fxamp's opt level applied, without accelerate's preparation: models not
@@ -148,6 +170,16 @@ class Accelerator(accelerate.Accelerator):
                 opt.set_loss_scalers([self._loss_scaler])
                 self.scaler = self._loss_scaler
         return out
+
+
+class FusedAcceleratedOptimizer(AcceleratedOptimizer):
+    """accelerate's wrapper of an fxamp optimizer: `step_was_skipped` is whether its last step
+    was skipped for inf/nan gradients (one host read of its device flag), which accelerate's
+    `optimizer_step_was_skipped` and its prepared lr schedulers ask after each step."""
+
+    @property
+    def step_was_skipped(self) -> bool:
+        return self.optimizer.last_step_skipped()
 
 
 def _dtype(mixed_precision: Optional[str], amp_options: dict[str, Any]) -> Any:
@@ -205,3 +237,4 @@ def _owners(parameters: list[torch.Tensor], optimizers: list[Any]) -> Optional[l
     if not wanted or any(id(p) not in owner for p in wanted):
         return None
     return list({id(owner[id(p)]): owner[id(p)] for p in wanted}.values())
+

@@ -2,11 +2,14 @@
 
 # Note [fxamp's Lightning plugin]
 It does what Lightning's own `MixedPrecision` plugin does with a GradScaler, with fxamp's parts:
-`convert_module` compiles the LightningModule in place with `fxamp.compile` (before
-`configure_optimizers`, so an fxamp optimizer built there gets the 16-bit weights and keeps
-fp32 masters); `pre_backward` scales the loss; `optimizer_step` runs Lightning's closure
-(forward, backward), unscales with the LossScaler's GradScaler protocol so that the
-`on_before_optimizer_step` hooks and `gradient_clip_val` see unscaled gradients, then
+`convert_module` compiles the LightningModule in place with fxamp, its call and the step
+methods its class defines (`training_step`, `validation_step`, `test_step`, `predict_step`:
+what Lightning's autocast covers, Note [Methods compiled with the model]), for the device of
+the Trainer's strategy, before `configure_optimizers` (so an fxamp optimizer built there gets
+the 16-bit weights and keeps fp32 masters); `pre_backward` scales the loss; `optimizer_step`
+runs Lightning's closure (forward, backward), unscales with the LossScaler's GradScaler
+protocol so that the `on_before_optimizer_step` hooks and `gradient_clip_val` see unscaled
+gradients, then
 `scaler.step` (skipped on inf/nan; fused and without a host read for fxamp's optimizers) and
 `scaler.update()`. As with Lightning's plugin, a skipped step still counts in `global_step`
 and step-interval schedulers still step (docs/integrations.md says how to hold them). The scale
@@ -19,18 +22,25 @@ import weakref
 from typing import Any, Callable, Optional, Union
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
+from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy,
+                                          SingleDeviceXLAStrategy, XLAStrategy)
 
-import fxamp
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError
-from fxamp.model.prepare import undo_before_first_call
+from fxamp.model.prepare import (CompileSettings, backend_of, config_of, prepare,
+                                 undo_before_first_call)
 from fxamp.optim.scaling.loss_scaler import LossScaler
-from fxamp.optim.master_check import check_master_weights
+from fxamp.master_weights import check_master_weights
 
 __all__ = ["Precision"]
 
 _AUTO = "auto"
+_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
+# DeepSpeed and XLA derive from DDP and the single-device strategy, and are not supported.
+_SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
+_UNSUPPORTED_STRATEGIES = (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)
 
 
 class Precision(LightningPrecision):
@@ -49,8 +59,12 @@ class Precision(LightningPrecision):
         **overrides: `AmpConfig.from_opt_level` keywords (dtype, keep_batchnorm_fp32, ...).
 
     Raises:
-        ConfigError: a bad opt level, override or scaler (at construction); at `fit`, float16
-            weights stepped by a torch.optim optimizer (no fp32 masters), with the fix.
+        ConfigError: a bad opt level, override or scaler (at construction); at `fit` (and
+            validate, test, predict), before anything changes: a strategy other than one
+            device or DDP (FSDP, DeepSpeed, ...), a LightningModule compiled with
+            torch.compile, or one `fxamp.compile` prepared without its steps; float16
+            weights stepped by a torch.optim optimizer (no fp32 masters; the module is then
+            put back as it was). Each message names the fix.
     """
 
     def __init__(self, opt_level: str = "O1", *, scaler: Union[str, LossScaler, None] = _AUTO,
@@ -59,6 +73,9 @@ class Precision(LightningPrecision):
                  fullgraph: bool = False, log_scale: bool = True, **overrides: Any) -> None:
         if not (scaler is None or scaler == _AUTO or isinstance(scaler, LossScaler)):
             raise ConfigError(f"scaler={scaler!r} must be 'auto', an fxamp.LossScaler or None")
+        # Each module a step calls is the model Apex casts around (Note [Methods compiled with
+        # the model]).
+        overrides.setdefault("model_boundary", "modules")
         self.config = AmpConfig.from_opt_level(opt_level, **overrides)
         self._compile_kwargs = dict(compiler=compiler, mode=mode, options=options,
                                     dynamic=dynamic, fullgraph=fullgraph)
@@ -66,17 +83,23 @@ class Precision(LightningPrecision):
         self._auto_scaler = scaler == _AUTO
         self._pending_state: Optional[dict] = None
         self._compiled_here: Optional["weakref.ref[torch.nn.Module]"] = None
-        self._warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self.log_scale = log_scale
         self.precision = _precision_name(self.config)
 
     # ------------------------------------------------------------------ model and optimizers
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """`fxamp.compile` the module in place (O2/O3: its weights become 16-bit here)."""
-        if fxamp.config_of(module) is None:
-            fxamp.compile(module, config=self.config, **self._compile_kwargs)
+        """Compile the module in place with fxamp, its call and its step methods, for the
+        strategy's device (O2/O3: its weights become 16-bit here)."""
+        _check_strategy(module)
+        steps = _steps_of(module)
+        if config_of(module) is None:
+            _check_uncompiled(module)
+            settings = CompileSettings(**self._compile_kwargs, methods=steps)
+            prepare(module, _for_device(self.config, module), settings=settings)
             self._compiled_here = weakref.ref(module)
-        config = fxamp.config_of(module)
+        else:
+            _check_steps_compiled(module, steps)
+        config = config_of(module)
         self.precision = _precision_name(config)
         if self._auto_scaler and self.scaler is None and _scales(config):
             self.scaler = LossScaler.from_config(config)
@@ -90,8 +113,7 @@ class Precision(LightningPrecision):
         (bfloat16 ones warn once): Note [16-bit weights need fp32 masters]."""
         try:
             for optimizer in optimizers:
-                check_master_weights(optimizer, "fxamp.integrations.lightning.Precision",
-                                     self._warned)
+                check_master_weights(optimizer, "fxamp.integrations.lightning.Precision")
         except ConfigError:
             # Refused after convert_module cast the weights: the model goes back as it was.
             module = self._compiled_here() if self._compiled_here is not None else None
@@ -103,11 +125,23 @@ class Precision(LightningPrecision):
         return model, optimizers, lr_schedulers
 
     # ---------------------------------------------------------------- backward and the step
+    # Disabled for Dynamo, as Lightning's own logging is: a compiled step reaches them in manual
+    # optimization (Note [Lightning's machinery runs eagerly] in docs/design.md).
+    @torch.compiler.disable
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
+    @torch.compiler.disable
+    def backward(self, *args: Any, **kwargs: Any) -> None:
+        return super().backward(*args, **kwargs)
+
+    @torch.compiler.disable
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        return super().post_backward(tensor, module)
+
+    @torch.compiler.disable
     def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],
                        **kwargs: Any) -> Any:
         if self.scaler is None:
@@ -138,6 +172,58 @@ class Precision(LightningPrecision):
             self.scaler.load_state_dict(state_dict)
         elif self._auto_scaler and state_dict:
             self._pending_state = dict(state_dict)  # the scaler is made in convert_module
+
+
+def _steps_of(module: torch.nn.Module) -> tuple[str, ...]:
+    """The step methods the module's class defines (Lightning calls only those; the default
+    predict_step calls the module, whose call fxamp compiles anyway)."""
+    return tuple(name for name in _STEPS if getattr(type(module), name, None)
+                 is not getattr(LightningModule, name, None))
+
+
+def _check_uncompiled(module: torch.nn.Module) -> None:
+    if getattr(module, "_compiler_ctx", None) is not None:
+        raise ConfigError(
+            f"{type(module).__name__} was compiled with torch.compile, and Lightning runs its "
+            "steps with that compile's backend, not fxamp's: pass the LightningModule itself "
+            "(lightning.pytorch.utilities.compile.to_uncompiled(model) gives it back); the "
+            "plugin compiles it and its steps (compiler='inductor' unless you name another)")
+
+
+def _check_strategy(module: torch.nn.Module) -> None:
+    """Refuse, before anything changes, a strategy the plugin is not tested under: one device
+    and DDP (each process a whole model) are; FSDP, DeepSpeed, model parallelism and XLA
+    shard or wrap the model in ways fxamp's compiled steps have not been checked against."""
+    trainer = getattr(module, "_trainer", None)
+    strategy = getattr(trainer, "strategy", None)
+    if strategy is None or (isinstance(strategy, _SUPPORTED_STRATEGIES)
+                            and not isinstance(strategy, _UNSUPPORTED_STRATEGIES)):
+        return
+    raise ConfigError(
+        f"fxamp's Lightning plugin does not support strategy {type(strategy).__name__}: it "
+        "trains under one device and DDP (strategy='auto', 'ddp', 'ddp_spawn', ...); for FSDP2 "
+        "use fxamp.compile and fxamp.optim directly (docs/distributed.md), or Lightning's own "
+        "precision plugins with that strategy")
+
+
+def _check_steps_compiled(module: torch.nn.Module, steps: tuple[str, ...]) -> None:
+    missing = [s for s in steps if s not in backend_of(module).settings.methods]
+    if missing:
+        raise ConfigError(
+            f"{type(module).__name__} was prepared by fxamp.compile, which compiles its call "
+            f"but not its {', '.join(missing)}, so what they run (self.encoder(x), ...) would "
+            "miss fxamp's precision: pass the LightningModule uncompiled; the plugin compiles "
+            "it with its steps")
+
+
+def _for_device(config: AmpConfig, module: torch.nn.Module) -> AmpConfig:
+    """`config` resolved for the device the Trainer's strategy trains on (the module is still
+    on the CPU when Lightning converts it; the weights' device would give CPU's dtype and op
+    table to a model that trains on a GPU)."""
+    trainer = getattr(module, "_trainer", None)
+    if config.device_type is not None or trainer is None:
+        return config
+    return config.resolve(trainer.strategy.root_device.type)
 
 
 def _scales(config: AmpConfig) -> bool:

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import inspect
 from typing import Any, Optional
 
+import torch
 import transformers
 
 from fxamp.errors import ConfigError
 from fxamp.integrations.accelerate import Accelerator
+from fxamp.model.prepare import config_of
 from fxamp.optim import FusedOptimizer
 
 __all__ = ["Trainer"]
@@ -25,7 +28,9 @@ class Trainer(transformers.Trainer):
     `optim=`) becomes fxamp's fused one before the lr scheduler is built on it. Then the
     Trainer's `max_grad_norm` clips, and its logged `grad_norm` is, the unscaled norm; a step
     with inf/nan gradients is skipped on the device and `optimizer_step_was_skipped` says so,
-    so the lr scheduler does not advance on it; checkpoints carry the loss scaler.
+    so the lr scheduler does not advance on it; checkpoints carry the loss scaler. The model is
+    saved (`save_model`, checkpoints) as the user's model had it: its weights in their own
+    dtypes and `config.json`'s `dtype` that of the model given, tied weights written once.
 
     Args:
         opt_level: "O0", "O1", "O2" or "O3".
@@ -74,9 +79,63 @@ class Trainer(transformers.Trainer):
         """The Trainer's optimizer, made fxamp's fused one (the model compiled by fxamp first),
         so that the lr scheduler built next steps the optimizer that trains."""
         super().create_optimizer(model)
-        _, self.optimizer = self.accelerator.apply_amp(self.model if model is None else model,
-                                                      self.optimizer)
+        model = self.model if model is None else model
+        if config_of(model) is None:  # the user's model, before fxamp casts it
+            self._user_dtypes = UserDtypes.of(model)
+        _, self.optimizer = self.accelerator.apply_amp(model, self.optimizer)
         return self.optimizer
+
+    def _save(self, output_dir: Optional[str] = None, state_dict: Optional[dict] = None) -> None:
+        # Note [Saving the model as the user gave it]: at O2/O3 the model stores 16-bit weights
+        # and its state dict is those (Note [The state dict is the live weights]), so
+        # save_pretrained would write them, and the dtype it writes into config.json is that of
+        # the first weight; `from_pretrained` would then build a 16-bit model from an fp32 one.
+        # The weights are written in the dtypes the model had before fxamp (an upcast: exact),
+        # each shared storage cast once so that tied weights stay tied and are written once,
+        # and config.json gets the model's own dtype back.
+        user = getattr(self, "_user_dtypes", None)
+        if user is None:
+            return super()._save(output_dir, state_dict)
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if state_dict is None:
+            state_dict = model.state_dict()
+        super()._save(output_dir, state_dict=user.cast(state_dict))
+        config = getattr(model, "config", None)
+        if config is not None and self.args.should_save:
+            config.dtype = str(user.model_dtype).removeprefix("torch.")
+            config.save_pretrained(output_dir or self.args.output_dir)
+
+
+@dataclasses.dataclass(frozen=True)
+class UserDtypes:
+    """The dtypes of a model's floating state-dict entries before fxamp cast it."""
+
+    entries: dict[str, torch.dtype]
+    model_dtype: torch.dtype  # transformers' `model.dtype`: its first floating parameter's
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "UserDtypes":
+        entries = {k: v.dtype for k, v in model.state_dict().items()
+                   if isinstance(v, torch.Tensor) and v.is_floating_point()}
+        first = next((p.dtype for p in model.parameters() if p.is_floating_point()),
+                     torch.get_default_dtype())
+        return cls(entries, first)
+
+    def cast(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """`state_dict` with each entry in its user dtype; entries that share a tensor (tied
+        weights) share its one cast, so save_pretrained still finds them tied."""
+        casts: dict[tuple, torch.Tensor] = {}
+        out = {}
+        for key, value in state_dict.items():
+            want = self.entries.get(key)
+            if want is None or not isinstance(value, torch.Tensor) or value.dtype == want:
+                out[key] = value
+                continue
+            same = (value.data_ptr(), value.dtype, tuple(value.shape), value.stride())
+            if same not in casts:
+                casts[same] = value.to(want)
+            out[key] = casts[same]
+        return out
 
 
 def _check_scheduler(optimizers: Any) -> None:

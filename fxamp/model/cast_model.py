@@ -20,7 +20,8 @@ from fxamp.policy import LOW_DTYPES, CastPolicy
 from fxamp.provenance import boundary_casts
 from fxamp.policy.rules import match_module_override
 
-__all__ = ["cast_model", "storage_dtype", "boundary_forward", "CastRecord"]
+__all__ = ["cast_model", "storage_dtype", "boundary_forward", "hook_outer_calls", "OuterCalls",
+           "CastRecord"]
 
 _BATCH_NORM = _compat.NORM_MODULE_TYPES
 
@@ -35,13 +36,6 @@ def storage_dtype(name: str, module: torch.nn.Module, config: AmpConfig) -> Opti
         if found and found[1] == CastPolicy.FP32:
             return torch.float32
     return target
-
-
-def _state_dict_in_fp32(module, state_dict, prefix, local_metadata) -> None:
-    # Apex O2 returned fp32 weights from model.state_dict(), so checkpoints stay portable.
-    for key, value in state_dict.items():
-        if isinstance(value, torch.Tensor) and value.dtype in LOW_DTYPES:
-            state_dict[key] = value.float()
 
 
 def _cast_floats(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...]) -> Any:
@@ -63,8 +57,11 @@ def _cast_floats(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...
     return value
 
 
-def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[..., Any]:
-    """`model`'s call with Apex's model-boundary casts, as one function for torch.compile.
+def boundary_forward(model: torch.nn.Module, config: AmpConfig,
+                     method: Optional[str] = None) -> Callable[..., Any]:
+    """`model`'s call (or its `method`: Note [Methods compiled with the model]) with Apex's
+    model-boundary casts (`model_boundary="call"`; with "modules" the hooks of `OuterCalls`
+    cast at the model's modules instead), as one function for torch.compile.
 
     Note [Model-boundary casts]: at O0/O2/O3 the weights change dtype before Dynamo traces the
     model, so an fp32 input would meet bf16 weights inside Dynamo's own tracing, before any
@@ -73,15 +70,23 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[...,
     a function that calls the module, Dynamo traces the casts into the model's graph (module
     hooks on the top-level module would each become a graph of their own).
     """
-    in_dtype, out_dtype = config.model_dtype, config.output_dtype
-    in_sources = tuple(d for d in (torch.float32, *LOW_DTYPES) if d != in_dtype)
+    casts = config.model_boundary == "call"
+    in_dtype = config.model_dtype if casts else None
+    out_dtype = config.output_dtype if casts else None
+    in_sources = _sources(in_dtype)
     out_sources = tuple(d for d in LOW_DTYPES if d != out_dtype)
+    suffix = f"{type(model).__name__}_{id(model):x}"
+    # The method's own code copied too: a graph break inside it makes it a frame of its own.
+    function = None if method is None else _own_code(getattr(type(model), method), suffix)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         if in_dtype is not None:
             with boundary_casts():  # Note [Boundary casts are tagged when traced]
                 args, kwargs = _cast_floats((args, kwargs), in_dtype, in_sources)
-        output = _compat.call_impl(model, *args, **kwargs)
+        if function is None:
+            output = _compat.call_impl(model, *args, **kwargs)
+        else:
+            output = function(model, *args, **kwargs)
         if out_dtype is None:
             return output
         with boundary_casts():
@@ -93,9 +98,76 @@ def boundary_forward(model: torch.nn.Module, config: AmpConfig) -> Callable[...,
     # to eager fp32. A copy of the code object gives each model its own cache; its own name
     # keeps Dynamo's automatic-dynamic memory (keyed by name and place) per model too, so one
     # model seeing several batch sizes does not make the next one compile with dynamic shapes.
-    name = f"forward_{type(model).__name__}_{id(model):x}"
-    return types.FunctionType(forward.__code__.replace(co_name=name), forward.__globals__, name,
-                              forward.__defaults__, forward.__closure__)
+    return _own_code(forward, suffix, f"{method or 'forward'}_{suffix}")
+
+
+def _own_code(function: Callable[..., Any], suffix: str,
+              name: Optional[str] = None) -> Callable[..., Any]:
+    """`function` with a code object of its own, named `name` (its name and `suffix`)."""
+    name = name or f"{function.__name__}_{suffix}"
+    own = types.FunctionType(function.__code__.replace(co_name=name), function.__globals__,
+                             name, function.__defaults__, function.__closure__)
+    own.__kwdefaults__ = function.__kwdefaults__
+    return own
+
+
+def _sources(dtype: Optional[torch.dtype]) -> tuple[torch.dtype, ...]:
+    return tuple(d for d in (torch.float32, *LOW_DTYPES) if d != dtype)
+
+
+class OuterCalls:
+    """Forward hooks on every module of a model compiled with methods (Note [Methods compiled
+    with the model]): a module called from outside the model's modules (a step's
+    `self.encoder(x)`, or the model itself) gets Apex's model-boundary casts, floating inputs
+    to the model dtype and outputs to `config.output_dtype`; a call inside a module gets none.
+    A class, so that a copy of the model gets its own (it holds the model: the copy's)."""
+
+    def __init__(self, model: torch.nn.Module, config: AmpConfig) -> None:
+        self.root, self.depth = model, 0
+        self.root_counted: list[bool] = []  # per call of the root, innermost last
+        self.in_dtype, self.out_dtype = config.model_dtype, config.output_dtype
+        self.in_sources = _sources(self.in_dtype)
+        self.out_sources = tuple(d for d in LOW_DTYPES if d != self.out_dtype)
+
+    def enter(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        if module is self.root:
+            # Lightning's DDP/FSDP redirection calls a step through the model's call, with
+            # the instance's forward set to it: that call is the step's, not a boundary.
+            self.root_counted.append(not _redirected(module))
+            if not self.root_counted[-1]:
+                return None
+        self.depth += 1
+        if self.depth > 1 or self.in_dtype is None:
+            return None
+        with boundary_casts():
+            return _cast_floats((args, kwargs), self.in_dtype, self.in_sources)
+
+    def leave(self, module: torch.nn.Module, args: tuple, output: Any) -> Any:
+        if module is self.root and not self.root_counted.pop():
+            return None
+        self.depth -= 1
+        if self.depth > 0 or self.out_dtype is None:
+            return None
+        with boundary_casts():
+            return _cast_floats(output, self.out_dtype, self.out_sources)
+
+
+def _redirected(module: torch.nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return forward is not None and getattr(forward, "__func__", None) is not type(module).forward
+
+
+def hook_outer_calls(model: torch.nn.Module, config: AmpConfig) -> list[Any]:
+    """Give every module of `model` the hooks of `OuterCalls` (none where `model_boundary` is
+    "call", or at a level that casts no model boundary); returns their handles."""
+    if config.model_boundary != "modules" or (config.model_dtype is None
+                                              and config.output_dtype is None):
+        return []
+    calls, handles = OuterCalls(model, config), []
+    for module in model.modules():
+        handles.append(module.register_forward_pre_hook(calls.enter, with_kwargs=True))
+        handles.append(module.register_forward_hook(calls.leave, always_call=True))
+    return handles
 
 
 @dataclasses.dataclass
@@ -103,7 +175,6 @@ class CastRecord:
     """What `cast_model` changed, to put back exactly (Note [Un-preparing a refused model])."""
 
     originals: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its .data before the cast)
-    hook: Optional[Any] = None  # the state_dict post hook's handle
 
     def __len__(self) -> int:
         return len(self.originals)
@@ -111,17 +182,26 @@ class CastRecord:
     def undo(self) -> None:
         for tensor, data in self.originals:
             tensor.data = data
-        if self.hook is not None:
-            self.hook.remove()
         self.release()
 
     def release(self) -> None:
         """Forget the originals (after the first successful call), freeing their memory."""
-        self.originals, self.hook = [], None
+        self.originals = []
 
 
 def cast_model(model: torch.nn.Module, config: AmpConfig) -> CastRecord:
-    """Cast floating (non-fp64) parameters and buffers in place; returns what changed."""
+    """Cast floating (non-fp64) parameters and buffers in place; returns what changed.
+
+    Note [The state dict is the live weights]: `model.state_dict()` is left as torch makes it,
+    the stored tensors themselves (16-bit at O2/O3), so code that writes into its values in
+    place (an EMA or SWA copy, weight averaging, a loader's `sd[k].copy_(...)`) changes the
+    model, as in eager torch and in Apex's amp before its 2019 O2 state-dict hook. That hook
+    (and fxamp's until issue 32) returned fp32 copies instead, which such writes never
+    reached: an EMA of an O2 model never moved. The copies held no more than the 16-bit
+    weights, so nothing is lost: `load_state_dict` casts a 16-bit checkpoint exactly into an
+    fp32 model (and an fp32 one into an O2 model), and the fp32 master weights are in the
+    optimizer's state dict (docs/backend.md, "state_dict").
+    """
     record = CastRecord([])
     for name, module in model.named_modules():
         dtype = storage_dtype(name, module, config)
@@ -132,6 +212,4 @@ def cast_model(model: torch.nn.Module, config: AmpConfig) -> CastRecord:
                     and tensor.dtype not in (torch.float64, dtype)):
                 record.originals.append((tensor, tensor.data))
                 tensor.data = tensor.data.to(dtype)
-    if config.cast_model_type in LOW_DTYPES:
-        record.hook = model.register_state_dict_post_hook(_state_dict_in_fp32)
     return record

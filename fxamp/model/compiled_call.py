@@ -6,8 +6,8 @@ when it fails (un-prepare at a refused first call; name a model cast after fxamp
 come from the graph: a banned op, batch_norm statistics in the wrong dtype, a graph break under
 `fullgraph=True`. They surface at the first call, after the weights were cast. So until a first
 call succeeds, the model keeps its original tensors (the cast's `CastRecord`), and a refusal at
-that call puts everything back: the original tensors (bit-identical), the state-dict hook, the
-compiled call and fxamp's marker. The user can then retry `fxamp.compile` with the fix that the
+that call puts everything back: the original tensors (bit-identical), the compiled call and
+fxamp's marker. The user can then retry `fxamp.compile` with the fix that the
 error names. Each change `fxamp.compile` makes registers its undo on one `contextlib.ExitStack`
 (the sharded modules' compiled forwards join it at the first call), closed at a refusal and
 dropped at the first success. The cost is the original tensors' memory between `fxamp.compile`
@@ -28,7 +28,7 @@ from fxamp.model.cast_model import CastRecord, storage_dtype
 from fxamp.config import AmpConfig
 from fxamp.errors import ConfigError, FxampError
 
-__all__ = ["CompiledCall", "check_storage", "fxamp_error"]
+__all__ = ["CompiledCall", "FirstCall", "check_storage", "fxamp_error"]
 
 # Failures of compilation itself (the user's model did not fail): retrying can fix them.
 _COMPILE_FAILURES = (BackendCompilerFailed, Unsupported, UserError, FxampError, ConfigError)
@@ -36,31 +36,30 @@ _RESTORED = ("fxamp restored the model as it was before fxamp.compile (weights, 
              "forward); fix the cause and call fxamp.compile on it again")
 
 
-class CompiledCall:
-    """`model._compiled_call_impl` as `fxamp.compile` sets it."""
+class FirstCall:
+    """What the compiled entries of one prepared model (its call, and the methods compiled with
+    it) share until one of them succeeds: what runs at the first call, and the undo of
+    `fxamp.compile`'s changes (Note [Un-preparing a refused model])."""
 
-    def __init__(self, model: torch.nn.Module, compiled: Callable[..., Any], config: AmpConfig,
+    def __init__(self, model: torch.nn.Module, config: AmpConfig,
                  undo: Optional[contextlib.ExitStack], record: Optional[CastRecord],
                  first_call: Callable[[contextlib.ExitStack], None]) -> None:
         """`undo` holds what puts the model back at a refused first call (None: nothing to
         put back); `first_call(undo)` runs before it and registers its own changes there."""
-        self._model, self._compiled, self._config = model, compiled, config
+        self._model, self._config = model, config
         self._undo, self._record = undo, record
         self._first_call: Optional[Callable[[contextlib.ExitStack], None]] = first_call
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            if self._first_call is not None:  # sharding comes after fxamp.compile: looked at
-                self._at_first_call()         # at the first call (sharded_modules.py)
-            out = self._compiled(*args, **kwargs)
-        except Exception as e:
-            self._fail(e)
-            raise
+    def before(self) -> None:
+        if self._first_call is not None:  # sharding comes after fxamp.compile: looked at
+            first_call, self._first_call = self._first_call, None  # at the first call
+            first_call(contextlib.ExitStack() if self._undo is None else self._undo)
+
+    def succeeded(self) -> None:
         if self._undo is not None:  # the first call succeeded: nothing to undo any more
             self._undo.pop_all()
             self._undo = None
             self._record.release()
-        return out
 
     def undo_before_first_call(self) -> bool:
         """Put the model back as it was before `fxamp.compile` (bit for bit) if no call has
@@ -72,22 +71,36 @@ class CompiledCall:
         undo.close()
         return True
 
-    def _at_first_call(self) -> None:
-        first_call, self._first_call = self._first_call, None
-        first_call(contextlib.ExitStack() if self._undo is None else self._undo)
-
-    def _fail(self, error: Exception) -> None:
+    def failed(self, error: Exception) -> None:
+        """Raise what a failed call should raise instead of `error`, if anything."""
         try:
             check_storage(self._model, self._config)  # Dynamo may fail on a recast model
         except ConfigError as recast:                 # before the backend runs
             raise recast from error
         if self._undo is not None and isinstance(error, _COMPILE_FAILURES):
-            undo, self._undo = self._undo, None
-            undo.close()
+            self.undo_before_first_call()
             raise _unwrapped(error) from None
         own = fxamp_error(error)
         if own is not None and own is not error:
             raise own from None  # fxamp's own message, not Dynamo's wrapper around it
+
+
+class CompiledCall:
+    """`model._compiled_call_impl` as `fxamp.compile` sets it, or a method of the model compiled
+    with it (`CompileSettings.methods`): a compiled function and the model's `FirstCall`."""
+
+    def __init__(self, compiled: Callable[..., Any], first: FirstCall) -> None:
+        self._compiled, self.first = compiled, first
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            self.first.before()
+            out = self._compiled(*args, **kwargs)
+        except Exception as e:
+            self.first.failed(e)
+            raise
+        self.first.succeeded()
+        return out
 
 
 def fxamp_error(error: BaseException) -> Optional[Exception]:

@@ -26,21 +26,22 @@ class _Reducer:
     """The instance's `__reduce_ex__` (a class, not a closure, so that it pickles)."""
 
     def __init__(self, module: torch.nn.Module, rebuild: Callable[..., torch.nn.Module],
-                 args: tuple, marker: str):
-        self.module, self.rebuild, self.args, self.marker = module, rebuild, args, marker
+                 args: tuple, own: tuple[str, ...]):
+        self.module, self.rebuild, self.args, self.own = module, rebuild, args, own
 
     def __call__(self, protocol: int) -> tuple:
         state = self.module.__getstate__()  # already without the compiled call
-        state = {k: v for k, v in state.items() if k not in (_REDUCE, self.marker)}
+        state = {k: v for k, v in state.items() if k != _REDUCE and k not in self.own}
         return self.rebuild, (type(self.module), *self.args), state
 
 
 def make_copyable(module: torch.nn.Module, rebuild: Callable[..., torch.nn.Module],
-                  args: tuple, marker: str) -> None:
+                  args: tuple, own: tuple[str, ...]) -> None:
     """Give `module` the `__reduce_ex__` of Note [Copies keep the compiled call]: a copy is
     `rebuild(type(module), *args)` (a module-level function, so that it pickles by name) with
-    the original's state, without the attribute `marker`."""
-    module.__dict__[_REDUCE] = _Reducer(module, rebuild, args, marker)
+    the original's state, without the attributes named in `own` (those `rebuild` makes for the
+    copy itself: fxamp's marker, the compiled methods)."""
+    module.__dict__[_REDUCE] = _Reducer(module, rebuild, args, own)
 
 
 def forget_copyable(module: torch.nn.Module) -> None:

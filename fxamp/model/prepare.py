@@ -20,12 +20,15 @@ import torch
 from fxamp import _compat
 from fxamp.arguments import check_compile_flags, entry_config
 from fxamp.backend import Compiler, CompiledGraph, FxampBackend
-from fxamp.model.cast_model import CastRecord, boundary_forward, cast_model
-from fxamp.model.compiled_call import CompiledCall, fxamp_error
+from fxamp.model.cast_model import CastRecord, boundary_forward, cast_model, hook_outer_calls
+from fxamp.model.compiled_call import CompiledCall, FirstCall, fxamp_error
 from fxamp.config import AmpConfig
 from fxamp.model.copies import forget_copyable, make_copyable
 from fxamp.model.eager_regions import untraced_modules, warn_untraced, with_policy_autocast
+from fxamp.model.methods import check_methods, compile_methods
 from fxamp.errors import ConfigError
+from fxamp.master_weights import guard_master_weights
+from fxamp.policy import LOW_DTYPES
 from fxamp.float8.config import check_float8_support
 from fxamp.float8.delayed import attach_history, detach_history, history_of, is_delayed
 from fxamp.policy.rules import check_module_overrides
@@ -40,13 +43,16 @@ _BACKEND_ATTR = "_fxamp_backend"
 
 @dataclasses.dataclass(frozen=True)
 class CompileSettings:
-    """How a prepared model is compiled (kept so that its copies are prepared alike)."""
+    """How a prepared model is compiled (kept so that its copies are prepared alike).
+    `methods`: methods of the model compiled with its call (Note [Methods compiled with the
+    model])."""
 
     compiler: Compiler = "inductor"
     mode: Optional[str] = None
     options: Optional[dict] = None
     dynamic: Optional[bool] = None
     fullgraph: bool = False
+    methods: tuple[str, ...] = ()
 
     def backend(self, config: AmpConfig) -> FxampBackend:
         return FxampBackend(config, compiler=self.compiler, mode=self.mode, options=self.options)
@@ -95,9 +101,9 @@ def config_of(model: torch.nn.Module) -> Optional[AmpConfig]:
 
 def undo_before_first_call(model: torch.nn.Module) -> bool:
     """Put a model `fxamp.compile` prepared back as it was, bit for bit, if it has not run yet
-    (`CompiledCall.undo_before_first_call`); returns whether it did."""
+    (`FirstCall.undo_before_first_call`); returns whether it did."""
     call = getattr(model, "_compiled_call_impl", None)
-    return isinstance(call, CompiledCall) and call.undo_before_first_call()
+    return isinstance(call, CompiledCall) and call.first.undo_before_first_call()
 
 
 def requested_config(config: Any, opt_level: Optional[str], overrides: dict[str, Any],
@@ -161,6 +167,7 @@ def prepare(model_or_fn: Callable[..., Any], config: Optional[AmpConfig], *,
     existing = None if in_place else config_of(model_or_fn)
     if existing is None:
         resolved = check_model(model_or_fn, backend.config)
+        check_methods(model_or_fn, settings.methods)
         model = model_or_fn if in_place else copy.deepcopy(model_or_fn)
         record = cast_model(model, resolved)  # everything is checked: from here on it changes
     else:
@@ -169,7 +176,8 @@ def prepare(model_or_fn: Callable[..., Any], config: Optional[AmpConfig], *,
         # a prepared copy (Note [Copies keep the compiled call])
         model = copy.deepcopy(model_or_fn)
     backend = settings.backend(resolved)
-    compile_module(model, backend, settings, record=record if in_place else None)
+    compile_module(model, backend, settings, record=record if in_place else None,
+                   guard_masters=in_place)
     if in_place:
         warn_untraced(model, resolved)
     return Prepared(model, backend)
@@ -184,13 +192,17 @@ def _check_no_request(config: Optional[AmpConfig], existing: AmpConfig) -> None:
 
 
 def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
-                   settings: CompileSettings, *, record: Optional[CastRecord] = None) -> None:
-    """Make every `model(...)` call run the fxamp-compiled graph, boundary casts included.
+                   settings: CompileSettings, *, record: Optional[CastRecord] = None,
+                   guard_masters: bool = False) -> None:
+    """Make every `model(...)` call (and every call of `settings.methods`) run the
+    fxamp-compiled graph, boundary casts included.
 
     fxamp fills the slot `nn.Module.compile` itself fills (`_compat.set_compiled_call`) with
     the model's call wrapped in its boundary casts (Note [Model-boundary casts]), at O1 under
     torch.autocast for the code Dynamo leaves eager (Note [Eager regions run under autocast]).
     With the `record` of the cast, a refusal at the first call restores the model.
+    `guard_masters`: the model (prepared in place, or a copy) warns when an optimizer without
+    fp32 masters steps its 16-bit weights (Note [Where fxamp sees an optimizer step]).
     """
     # Note [Un-preparing a refused model]: each change registers its undo as it is made.
     undo = contextlib.ExitStack()
@@ -201,18 +213,15 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     history_hook = attach_history(model, fxamp_backend.config.float8) if initialised else None
     if history_hook is not None:
         undo.callback(detach_history, model, history_hook)
+    if guard_masters and fxamp_backend.config.model_dtype in LOW_DTYPES:
+        undo.callback(guard_master_weights(model, fxamp_backend.config.opt_level))
     # Note [Graphs that hold a model's state]; a copy gets its histories with its state, after
     # this: a token of its own until then (its graphs read them at their first trace).
     fxamp_backend.owner = history_of(model) or (
         object() if is_delayed(fxamp_backend.config.float8) else None)
-    forward = boundary_forward(model, fxamp_backend.config)
     # A model whose graphs hold its state compiles them in a Dynamo cache region of its own,
     # so that other models' graphs count against no recompile limit of its frames.
     isolated = _compat.isolated_recompiles() if fxamp_backend.owner is not None else {}
-    compiled = with_policy_autocast(
-        torch.compile(forward, backend=fxamp_backend, dynamic=settings.dynamic,
-                      fullgraph=settings.fullgraph, **isolated), fxamp_backend.config,
-        recurrent=_has_recurrent(model))
 
     # Note [Sharded modules are compiled one by one]
     def first_call(undo: contextlib.ExitStack) -> None:
@@ -224,14 +233,28 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
             fullgraph=settings.fullgraph, **isolated), undo)
 
     fxamp_backend.model, fxamp_backend.settings = model, settings
-    _compat.set_compiled_call(model, CompiledCall(model, compiled, fxamp_backend.config,
-                                                  None if record is None else undo, record,
-                                                  first_call))
+    first = FirstCall(model, fxamp_backend.config, None if record is None else undo, record,
+                      first_call)
+
+    def entry(method: Optional[str]) -> CompiledCall:
+        function = boundary_forward(model, fxamp_backend.config, method)
+        compiled = torch.compile(function, backend=fxamp_backend, dynamic=settings.dynamic,
+                                 fullgraph=settings.fullgraph, **isolated)
+        return CompiledCall(with_policy_autocast(compiled, fxamp_backend.config,
+                                                 recurrent=recurrent), first)
+
+    recurrent = _has_recurrent(model)
+    _compat.set_compiled_call(model, entry(None))
     undo.callback(_compat.set_compiled_call, model, None)
+    if record is not None:  # a copy's modules come with their hooks
+        for handle in hook_outer_calls(model, fxamp_backend.config):
+            undo.callback(handle.remove)
+    compile_methods(model, settings.methods, entry, undo)
     setattr(model, _BACKEND_ATTR, fxamp_backend)
     undo.callback(delattr, model, _BACKEND_ATTR)
     # Note [Copies keep the compiled call]
-    make_copyable(model, _rebuild_copy, (fxamp_backend.config, settings), _BACKEND_ATTR)
+    make_copyable(model, _rebuild_copy, (fxamp_backend.config, settings),
+                  (_BACKEND_ATTR, *settings.methods))
     undo.callback(forget_copyable, model)
 
 
@@ -250,5 +273,5 @@ def _has_recurrent(model: torch.nn.Module) -> Callable[[], bool]:
 
 def _rebuild_copy(cls: type, config: AmpConfig, settings: CompileSettings) -> torch.nn.Module:
     module = cls.__new__(cls)
-    compile_module(module, settings.backend(config), settings)
+    compile_module(module, settings.backend(config), settings, guard_masters=True)
     return module  # nn.Module.__setstate__ then adds the original's state

@@ -13,7 +13,7 @@ from fxamp.optim.apex.amp import initialize, master_params
 from fxamp.optim.apex.fp16_optimizer import FP16_Optimizer
 from fxamp.optim.apex.larc import LARC
 from fxamp.optim.scaling.loss_scaler import LossScaler
-from fxamp.optim.master_check import MasterWeightsWarning, check_master_weights
+from fxamp.master_weights import MasterWeightsWarning, check_master_weights
 from fxamp.optim.optimizer import FusedOptimizer
 from fxamp.optim.optimizers import LAMB, SGD, Adam, AdamW
 from fxamp.optim.apex.scale_loss import scale_loss, unscale_

@@ -243,17 +243,17 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
             scaler.scaled_graphs.mark_done(self)
         step_state = fused_step.StepState(state.hyper, state.step_count, self.found_inf,
                                           self.grad_norm)
-        rows = self._fns.prologue(
+        coefs = self._fns.prologue(
             grads, step_state, scaler_state=scale_state, found_in=found_in,
             coefs_fn=self.algorithm.coefs, check=check,
             max_norm=state.max_norm(self.max_grad_norm),
-            rule=None if scaler is None else scaler.rule, groups=state.groups,
-            **self._dist_kwargs())
+            rule=None if scaler is None else scaler.rule, **self._dist_kwargs())
         unsigned, stochastic = state_buffers.rounding(self.algorithm.state_keys,
                                                       self.state_format)
-        for slot, grad, row in zip(state.slots, grads, rows):
-            self._fns.update(slot.update_args(grad), row, update_fn=self.algorithm.update,
-                             unsigned=unsigned, stochastic=stochastic)
+        for slot, grad in zip(state.slots, grads):
+            self._fns.update(slot.update_args(grad), coefs[slot.bucket.group_index],
+                             update_fn=self.algorithm.update, unsigned=unsigned,
+                             stochastic=stochastic)
         for slot in state.slots:
             slot.bucket.write_back()
 

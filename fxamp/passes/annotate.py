@@ -136,9 +136,9 @@ def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: 
                         aliasing: Aliasing):
     # Note [O2 graph inputs]: at O2/O3 the model computes in the low dtype, so fp32 graph inputs
     # (the parameters when the backend is used without fxamp.compile, and data the caller did
-    # not cast) are cast at each use, except into fp32 islands, the user's own casts and
-    # arguments mutated in place. The model's outputs are not a graph's business: a graph
-    # break makes any value an output, so fxamp.compile casts outputs with a module hook
+    # not cast) are cast at each use, except into fp32 islands, the user's own casts, arguments
+    # mutated in place, and graphs of model_boundary="modules" (not the model's inputs). Outputs
+    # are not a graph's business (a graph break makes any value one): fxamp.compile casts them
     # (Note [Model-boundary casts] in cast_model.py). An fp32 value that meets low-precision
     # ones in an op that takes one dtype (a matmul after the user's fp32 autocast region)
     # is cast the same way: the op runs in the model dtype, as autocast would run it. No cast
@@ -152,7 +152,8 @@ def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: 
     leaves = pytree.tree_leaves((node.args, node.kwargs))
     castable = [i for i in eligible_idx if isinstance(leaves[i], fx.Node)
                 and vals[i].dtype == torch.float32 and positions[i] not in blocked]
-    inputs = [i for i in castable if leaves[i].op == "placeholder"]
+    inputs = [i for i in castable if leaves[i].op == "placeholder"
+              and config.model_boundary == "call"]
     # Mixed: low-precision values meet fp32 ones, counting the graph inputs cast here.
     mixed = node.target in ONE_DTYPE_OPS and bool(
         inputs or any(vals[i].dtype in LOW_DTYPES for i in eligible_idx))

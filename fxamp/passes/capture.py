@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch.overrides import TorchFunctionMode
 
 from fxamp._compat import EXAMPLE_VALUE, OpOverload, make_fx, rename_node
 
@@ -24,7 +25,7 @@ from fxamp._compat import (GET_DATA_ATTR, SET_GRAD_ENABLED, emit_call, make_fx_t
 from fxamp.passes.aliasing import written_positions
 from fxamp.passes.hops import HopSpec, body_inputs, hop_spec
 
-__all__ = ["to_aten", "fake_inputs", "TRAINABLE"]
+__all__ = ["to_aten", "fake_inputs", "MixedOperandsMode", "TRAINABLE"]
 
 TRAINABLE = "fxamp_trainable"  # meta key: a graph input that requires grad
 
@@ -109,6 +110,17 @@ def _mixed_operands_autocast(args: tuple, kwargs: dict):
     autocast, so the graph is unchanged; only the fake value it computes takes autocast's
     dtype. The annotate pass then casts the operands per fxamp's policy and recomputes the
     value from the cast operands, so nothing downstream keeps autocast's choice.
+
+    The same holds for autocast's "promote" ops (`torch_need_autocast_promote`: bilinear, dot,
+    vdot, tensordot, scatter_add, ...), whose kernels refuse fp16 beside fp32 and which CUDA
+    autocast runs in the widest dtype: traced here under CUDA autocast, they get a value, and
+    the torch-cuda preset's promote rule casts them. Autocast is the one place that can do it
+    for composite ops (tensordot checks its operands' dtypes before it decomposes, above any
+    Python dispatch mode). The device's autocast decides only whether tracing can proceed; on
+    CPU, whose autocast does not promote those ops, torch.autocast refuses such a program and
+    so does fxamp. `transform` (fxamp.testing) traces under `MixedOperandsMode`, the same rule
+    for a plain function: without it the CUDA autocast-list tests failed on what the backend
+    traces (GPU report, H100, 2026-11-27).
     """
     dtypes = {t.dtype for t in pytree.tree_leaves((args, kwargs))
               if isinstance(t, torch.Tensor) and t.is_floating_point()}
@@ -118,6 +130,17 @@ def _mixed_operands_autocast(args: tuple, kwargs: dict):
     device = next(t.device.type for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.dtype in low)
     return _autocast_state(device, low.pop())
+
+
+class MixedOperandsMode(TorchFunctionMode):
+    """Each torch call traced under it gets `_mixed_operands_autocast`, as every node of a Dynamo
+    graph does in `_Lower`: for tracing a plain function the way the backend traces a graph
+    (fxamp.testing.transform; Note [Mixed operands trace under autocast])."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with _mixed_operands_autocast(args, kwargs):
+            return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

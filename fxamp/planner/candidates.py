@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from fxamp.float8.gemm import float8_bmm, float8_matmul
 
-__all__ = ["GemmCall", "candidate_errors", "relative_error", "CANDIDATES", "TENSORS"]
+__all__ = ["GemmCall", "candidate_errors", "relative_error", "TENSORS"]
 
-CANDIDATES = ("bf16", "fp16", "tensorwise", "rowwise")  # fp32 is the reference itself
 TENSORS = ("output", "grad_input", "grad_weight")
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -128,12 +127,14 @@ def _sample(call: GemmCall, g: Optional[torch.Tensor]) -> tuple[GemmCall, Any]:
 def candidate_errors(a: torch.Tensor, b: torch.Tensor, g: Optional[torch.Tensor], *,
                      c: Optional[torch.Tensor] = None, alpha: float = 1, beta: float = 1,
                      grad_input: bool, grad_weight: bool, dtype: torch.dtype,
-                     float8: bool) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+                     recipes: Sequence[str] = ()
+                     ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """(errors, max_abs) of the op `beta * c + alpha * (a [.., M, K] @ b [.., K, N])` with
-    output gradient `g` (None: forward only), for each candidate (float8 ones only with
-    `float8`); the float8 operands are in `dtype`, the 16-bit dtype of the plan (Note [The
-    whole op is measured]). Large GEMMs are measured on a sample (Note [Measuring a sample of
-    a large GEMM])."""
+    output gradient `g` (None: forward only), for bf16, fp16 and the float8 `recipes` (those
+    float8 can run here: the caller asks `recipe_refusal`; none where float8 cannot run this
+    GEMM); the float8 operands are in `dtype`, the 16-bit dtype of the plan (Note [The whole
+    op is measured]). Large GEMMs are measured on a sample (Note [Measuring a sample of a
+    large GEMM])."""
     c = None if c is None or beta == 0 else c.detach().float()
     call = GemmCall(a.detach().float(), b.detach().float(), None, alpha, beta)
     if c is not None:
@@ -142,14 +143,12 @@ def candidate_errors(a: torch.Tensor, b: torch.Tensor, g: Optional[torch.Tensor]
     grads = (grad_input, grad_weight)
     ref = _whole(call, g, grads, lambda t: t)
     errors = {}
-    for cand in CANDIDATES:
+    for cand in (*_DTYPES, *recipes):
         if cand in _DTYPES:
             low = _DTYPES[cand]
             got = _whole(call, g, grads, lambda t: t.to(low).float())
-        elif float8:
-            got = _float8(call, g, grads, cand, dtype)
         else:
-            continue
+            got = _float8(call, g, grads, cand, dtype)
         errors[cand] = {k: relative_error(v, ref[k]) for k, v in got.items()}
     named = {"input": call.a, "weight": call.b, **({"bias": call.c} if call.c is not None
                                                    else {}),

@@ -19,6 +19,7 @@ import torch
 from fxamp import validation
 from fxamp._compat import pytree
 from fxamp.errors import ConfigError
+from fxamp.float8.config import recipe_refusal
 from fxamp.planner.cost import GemmShape, PRECISIONS, Target, as_target, cast_time, gemm_time
 from fxamp.planner.measure import GemmMeasure, measure
 from fxamp.planner.plan import FLOAT8_RECIPES, ROOT, PlannedGemm, PrecisionPlan
@@ -49,9 +50,10 @@ def _cost_shape(m: GemmMeasure, scale: float) -> GemmShape:
     return GemmShape(rows, k, n, batch, m.grad_input, m.grad_weight)
 
 
-def _decide(m: GemmMeasure, recipe: str, low: str, budget: float, times: dict[str, float],
-            casts: float) -> tuple[str, str]:
+def _decide(m: GemmMeasure, recipe: Optional[str], low: str, budget: float,
+            times: dict[str, float], casts: float) -> tuple[str, str]:
     # Each reason is "<precision>: <sentences>" (golden texts in tests/test_planner.py).
+    # recipe None: no recipe can run here, so every GEMM has a float8 refusal (_without).
     (e16, where16), t16 = _worst(m, low), times.get(low)
     if e16 > budget:
         if e16 == float("inf"):
@@ -79,8 +81,8 @@ def _num(x: float) -> str:
     return "inf (an overflow)" if x == float("inf") else f"{x:.3g}"
 
 
-def _planned(m: GemmMeasure, recipe: str, low: str, budget: float, target: Target,
-             scale: float) -> PlannedGemm:
+def _planned(m: GemmMeasure, recipe: Optional[str], low: str, budget: float, target: Target,
+             scale: float, unmeasured: str = "") -> PlannedGemm:
     times: dict[str, float] = {}
     casts = 0.0
     if m.shape is not None:  # a shape float8 can take: the cost model times it
@@ -90,6 +92,7 @@ def _planned(m: GemmMeasure, recipe: str, low: str, budget: float, target: Targe
         casts = cast_time(shape, target)
     if m.errors:
         precision, reason = _decide(m, recipe, low, budget, times, casts)
+        reason += unmeasured if m.float8_refusal is None else ""
     else:
         precision, reason = low, (f"{low}: its result is not floating point, so no precision "
                                   "was measured.")
@@ -109,7 +112,8 @@ def _planned(m: GemmMeasure, recipe: str, low: str, budget: float, target: Targe
 # needs fp32 runs all its GEMMs in fp32, and one with a GEMM that stays in the 16-bit dtype
 # though float8 could run it keeps all its GEMMs out of float8; each changed record says so.
 # A GEMM at the top level has no module to override: it stays in the 16-bit dtype, and says so.
-def _per_module(sites: list[PlannedGemm], recipe: str, low: str) -> list[PlannedGemm]:
+def _per_module(sites: list[PlannedGemm], recipe: Optional[str],
+                low: str) -> list[PlannedGemm]:
     out = []
     for s in sites:
         mates = [t for t in sites if t.module == s.module and t is not s]
@@ -127,6 +131,27 @@ def _per_module(sites: list[PlannedGemm], recipe: str, low: str) -> list[Planned
                                     "another GEMM of its module: skip_modules is per module.")
         out.append(s)
     return out
+
+
+# Note [A recipe this device cannot run is not measured]: the planner asks of each recipe
+# the question the float8 pass asks before it compiles (`recipe_refusal`: can this torch run
+# its `torch._scaled_mm` on the model's device?). A recipe it cannot run is not measured and
+# not chosen, so every plan can be applied where it was made (torch 2.11 on CPU runs only
+# tensor scales: its plans are tensorwise). The plan says why: where float8 could run a GEMM,
+# its reason adds "float8 rowwise was not measured: ..."; where no recipe asked for can run,
+# that is the GEMM's float8 refusal. (Measuring such a recipe by an emulation was the other
+# choice; docs/planner.md says why not.)
+def _without(refused: dict[str, str], runnable: tuple[str, ...], measures: list[GemmMeasure],
+             device: str) -> tuple[list[GemmMeasure], str]:
+    # (the measures, each with float8's refusal when no recipe can run; the sentence that
+    # the reasons of GEMMs float8 could run add when some recipe cannot)
+    here = f"torch {torch.__version__} cannot run"
+    if not runnable:
+        why = "; ".join(f"{here} float8 {r} on {device}; {w}" for r, w in refused.items())
+        return [m if m.float8_refusal else dataclasses.replace(m, float8_refusal=why)
+                for m in measures], ""
+    return measures, "".join(f" float8 {r} was not measured: {here} it on {device}; {w}."
+                             for r, w in refused.items())
 
 
 def _check(model: Any, error_budget: Any, dtype: Any, recipes: Any) -> tuple[float, str, tuple]:
@@ -182,7 +207,8 @@ def plan(model: torch.nn.Module, example_batch: Any,
             output, grad_input or grad_weight may have in its chosen precision.
         dtype: the 16-bit dtype, "bf16" (default) or "fp16".
         recipes: the float8 recipes to consider; the plan uses the one whose plan models
-            fastest (one recipe per model: Float8Config has one).
+            fastest (one recipe per model: Float8Config has one). A recipe this torch cannot
+            run on the model's device is not considered, and the reasons say so.
         batches: more calibration batches (errors and ranges are the worst over all).
         batch_size: the training batch size the costs are modeled at, when larger than the
             calibration batch: GEMM rows (batch entries of batched GEMMs) scale with it.
@@ -195,13 +221,16 @@ def plan(model: torch.nn.Module, example_batch: Any,
     target = as_target(target)
     scale = _batch_scale(example_batch, loss_fn is not None, batch_size)
     device = next(t for t in (*model.parameters(), *model.buffers())).device.type
-    measures, count = measure(model, [example_batch, *batches], loss_fn,
-                              dtype=torch.bfloat16 if low == "bf16" else torch.float16,
-                              device_type=device)
+    dtype16 = torch.bfloat16 if low == "bf16" else torch.float16
+    refused = {r: why for r in recipes if (why := recipe_refusal(r, device, dtype16))}
+    runnable = tuple(r for r in recipes if r not in refused)
+    measures, count = measure(model, [example_batch, *batches], loss_fn, dtype=dtype16,
+                              device_type=device, recipes=runnable)
+    measures, unmeasured = _without(refused, runnable, measures, device)
     options = []
-    for recipe in recipes:
-        sites = _per_module([_planned(m, recipe, low, budget, target, scale) for m in measures],
-                            recipe, low)
+    for recipe in runnable or (None,):
+        sites = _per_module([_planned(m, recipe, low, budget, target, scale, unmeasured)
+                             for m in measures], recipe, low)
         options.append(PrecisionPlan(target, budget, low, recipe, tuple(sites), count, scale))
     # the fastest; between equally fast recipes (same bytes, same peak), the more accurate
     best = min(options, key=lambda p: (p.step_time(), sum(s.error(s.precision) for s in p.sites)))

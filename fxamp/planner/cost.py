@@ -26,8 +26,10 @@ ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "tensorwise": 1, "rowwise": 1}
 # each operand of each of its GEMMs from the 16-bit tensor: one amax pass (read 2 bytes an
 # element) and one cast pass (read 2, write 1). A tensor used by two GEMMs (the input by the
 # forward and grad_weight ones, the weight by forward and grad_input, the gradient by both
-# backward ones) is cast twice. Inductor may fuse an amax into the op that produced its
-# tensor, so this is an upper bound on what the casts cost.
+# backward ones) is counted as cast twice. That is an upper bound on what the casts cost: a
+# tensor-scaled gradient is cast once and its cast transposed, and compiled, the weight's and
+# the input's second casts are the forward's (Note [Cast once, then transpose] in
+# fxamp/float8/gemm.py); Inductor may also fuse an amax into the op that produced its tensor.
 CAST_BYTES_PER_ELEMENT = 2 + 2 + 1
 
 

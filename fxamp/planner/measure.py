@@ -12,7 +12,7 @@ every candidate from those fp32 tensors (candidates.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -37,7 +37,8 @@ class GemmMeasure:
     `errors[candidate][tensor]` is the relative error ||x - ref|| / ||ref|| of the output,
     grad_input or grad_weight computed in `candidate` against fp32 (inf for an overflow);
     `max_abs[tensor]` the largest |x| of input, weight, output and the three gradients.
-    `float8_refusal` says why float8 cannot run this GEMM at all (None: it can).
+    `float8_refusal` says why float8 cannot run this GEMM at all (None: it can), its shape
+    or kind, or this device and torch for every recipe asked (choose.py).
     """
 
     site: OpSite
@@ -103,11 +104,12 @@ def _call(ops: GemmOperands, node: fx.Node, env: dict, value: torch.Tensor) -> G
 
 class GemmProbe(InstrumentingCompiler):
     """An inner compiler that finds every GEMM node and captures its operands and output
-    gradient; `flush()` measures what was captured (after each batch's backward)."""
+    gradient; `flush()` measures what was captured (after each batch's backward) in bf16,
+    fp16 and the float8 `recipes`."""
 
-    def __init__(self, device_type: str, dtype: torch.dtype) -> None:
+    def __init__(self, device_type: str, dtype: torch.dtype, recipes: Sequence[str]) -> None:
         super().__init__(self._visit, pre_dispatch=True)
-        self.dtype = dtype
+        self.dtype, self.recipes = dtype, tuple(recipes)
         # float8's own refusals (shapes, attention-style GEMMs), sizes left to the cost model
         self.float8_config = AmpConfig.from_opt_level(
             "O1", float8=Float8Config(min_dim=1)).resolve(device_type)
@@ -146,16 +148,19 @@ class GemmProbe(InstrumentingCompiler):
             m.add(*candidate_errors(call.a, call.b, g, c=call.c, alpha=call.alpha,
                                     beta=call.beta, grad_input=m.grad_input and g is not None,
                                     grad_weight=m.grad_weight and g is not None,
-                                    dtype=self.dtype, float8=m.float8_refusal is None))
+                                    dtype=self.dtype,
+                                    recipes=self.recipes if m.float8_refusal is None else ()))
         self._pending.clear()
 
 
 def measure(model: torch.nn.Module, batches: Iterable[Any],
             loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], *,
-            dtype: torch.dtype, device_type: str) -> tuple[list[GemmMeasure], int]:
+            dtype: torch.dtype, device_type: str,
+            recipes: Sequence[str]) -> tuple[list[GemmMeasure], int]:
     """Every GEMM of `model` measured over `batches` (each as `range_stats` takes one), on a
-    private fp32 copy; returns the measurements and the number of batches."""
-    probe = GemmProbe(device_type, dtype)
+    private fp32 copy, in bf16, fp16 and the float8 `recipes` (those this device can run);
+    returns the measurements and the number of batches."""
+    probe = GemmProbe(device_type, dtype, recipes)
     prepared = prepare_private(model, probe, config=AmpConfig.from_opt_level("O0"),
                                opt_level=None, overrides={})
     count = 0

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 pytest.importorskip("accelerate")
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 import accelerate  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
 
 from fxamp.errors import ConfigError  # noqa: E402
 from fxamp.integrations.accelerate import Accelerator  # noqa: E402
@@ -153,3 +154,152 @@ def test_accumulate_and_unscale_gradients_alone():
     assert len(got) == len(ref) == 2 and int(acc.scaler.skipped_steps) == 0
     assert got == pytest.approx(ref, rel=2e-2)
     assert _moved_apart(model, ref_model) < 0.01
+
+
+# ------------------------------------------------------------------------ lr schedulers
+# The same script under accelerate's own fp16 (autocast and torch's GradScaler) and under
+# fxamp's Accelerator: schedulers built on the torch optimizer before `prepare`, passed to it
+# in every way accelerate allows, must drive the optimizer that trains (fxamp's fused one), and
+# hold on a step skipped for overflow exactly as accelerate's AcceleratedScheduler does with
+# GradScaler (it asks the prepared optimizer's `step_was_skipped`).
+SCHED_STEPS, SCHED_OVERFLOW = 6, 2
+
+
+@pytest.fixture
+def fresh_state():
+    """accelerate's process-wide state reset around the test, as accelerate's own tests do
+    (AccelerateTestCase): the reference runs with mixed_precision="fp16", fxamp's with "no"."""
+    AcceleratorState._reset_state(True)
+    yield AcceleratorState._reset_state
+    AcceleratorState._reset_state(True)
+
+
+def _reference_accelerator():
+    """accelerate with mixed_precision="fp16" on a CPU: accelerate leaves autocast and
+    GradScaler off there ("fp16 requires a GPU"), so the test turns on what its constructor
+    turns on for a GPU: `native_amp` (autocast around the model) and torch's GradScaler."""
+    acc = accelerate.Accelerator(cpu=True, mixed_precision="fp16")
+    acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu")
+    return acc
+
+
+def _schedule(kind, opt):
+    if kind == "lambda":
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    if kind == "onecycle":  # also cycles Adam's beta1 through the param groups
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=SCHED_STEPS)
+    if kind == "linear_warmup":
+        return transformers.get_linear_schedule_with_warmup(opt, 2, SCHED_STEPS)
+    raise AssertionError(kind)
+
+
+def _tiny():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _scheduled_script(acc, kind, how):
+    """A user's loop: scheduler built on the torch optimizer, then prepared as `how` says."""
+    model = _tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = _schedule(kind, opt)
+    gen = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(SCHED_STEPS * 4, 8, generator=gen),
+                                          torch.randint(0, 4, (SCHED_STEPS * 4,), generator=gen))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    if how == "same_call":
+        model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    elif how == "reversed_order":
+        sched, loader, opt, model = acc.prepare(sched, loader, opt, model)
+    elif how == "later_call":
+        model, opt, loader = acc.prepare(model, opt, loader)
+        sched = acc.prepare(sched)
+    elif how == "prepare_scheduler":
+        model, opt, loader = acc.prepare(model, opt, loader)
+        sched = acc.prepare_scheduler(sched)
+    elif how == "not_prepared":  # stepped by hand: advances on every step, skipped or not
+        model, opt, loader = acc.prepare(model, opt, loader)
+    trained = opt.optimizer  # the optimizer whose step updates the weights
+    lrs, betas, skipped = [], [], []
+    for step, (x, y) in enumerate(loader):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step == SCHED_OVERFLOW:
+            loss = loss * float("inf")  # an fp16 overflow, forced
+        acc.backward(loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        skipped.append(acc.optimizer_step_was_skipped)
+        lrs.append(trained.param_groups[0]["lr"])
+        betas.append(trained.param_groups[0]["betas"][0])
+    return lrs, betas, skipped, model
+
+
+CASES = [("lambda", "same_call"), ("lambda", "reversed_order"), ("lambda", "later_call"),
+         ("lambda", "prepare_scheduler"), ("lambda", "not_prepared"), ("onecycle", "same_call"),
+         ("linear_warmup", "same_call")]
+
+
+@pytest.mark.parametrize("kind,how", CASES)
+def test_schedulers_drive_the_fused_optimizer_and_hold_on_overflow(kind, how, fresh_state):
+    ref_lrs, ref_betas, ref_skipped, ref_model = _scheduled_script(_reference_accelerator(),
+                                                                   kind, how)
+    fresh_state(True)
+    acc = Accelerator(cpu=True, mixed_precision="fp16", opt_level="O1", compiler="aot_eager")
+    lrs, betas, skipped, model = _scheduled_script(acc, kind, how)
+    assert ref_skipped == skipped == [i == SCHED_OVERFLOW for i in range(SCHED_STEPS)]
+    assert lrs == pytest.approx(ref_lrs, rel=1e-12) and betas == pytest.approx(ref_betas)
+    # A prepared scheduler held its lr over the skipped step (every schedule here moves at
+    # every step); one stepped by hand did not.
+    held = how != "not_prepared"
+    assert (lrs[SCHED_OVERFLOW] == lrs[SCHED_OVERFLOW - 1]) == held
+    # The weights: fp16 autocast + torch AdamW against fxamp's O1 graphs + fused AdamW, the
+    # same lr at every step: within 1 % of how far training moved them.
+    init = _tiny().state_dict()
+    got, ref = model.state_dict(), ref_model.state_dict()
+    apart = sum(float((got[k].float() - ref[k]).norm()) ** 2 for k in ref) ** 0.5
+    moved = sum(float((ref[k] - init[k]).norm()) ** 2 for k in ref) ** 0.5
+    assert apart < 0.01 * moved
+
+
+def test_a_prepared_scheduler_follows_its_own_optimizer():
+    # Two optimizers, two schedulers, one prepare call: accelerate pairs each scheduler with
+    # the optimizer it was built on (its AcceleratedScheduler asks only that one whether the
+    # step was skipped).
+    acc = Accelerator(cpu=True, mixed_precision="fp16", opt_level="O1", compiler="aot_eager")
+    model = _tiny()
+    opts = [torch.optim.SGD(model[0].parameters(), lr=0.1),
+            torch.optim.AdamW(model[2].parameters(), lr=1e-2)]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5) for o in opts]
+    model, opt0, opt1, sched0, sched1 = acc.prepare(model, *opts, *scheds)
+    assert sched0.optimizers == [opt0] and sched1.optimizers == [opt1]
+    x = torch.randn(4, 8)
+    acc.backward(model(x).float().square().mean())
+    opt0.step(), opt1.step(), sched0.step(), sched1.step()
+    assert opt0.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert opt1.optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_save_state_writes_every_weight_of_the_flat_buffer(tmp_path, level):
+    # Note [Flat buffers in accelerate's checkpoints]: the parameters are views of fxamp's flat
+    # buffer; accelerate's safetensors writer kept one name per storage, so save_state wrote
+    # one weight and dropped the rest silently (O1 on main; O2 hid it behind fp32 copies).
+    # Every weight is written (tied lm_head once), and load_state puts them all back.
+    acc = Accelerator(cpu=True, mixed_precision="bf16", opt_level=level, compiler="aot_eager")
+    model = tiny_gpt2.model()
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    _train(acc, model, opt, tiny_gpt2.batches(2))
+    saved = copy.deepcopy(model.state_dict())
+    acc.save_state(tmp_path)
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "model.safetensors")
+    assert set(written) == set(saved) - {"lm_head.weight"}
+    assert all(torch.equal(written[k], saved[k]) for k in written)
+    for value in model.state_dict().values():
+        if value.is_floating_point():
+            value.zero_()
+    acc.load_state(tmp_path)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())

@@ -1,5 +1,6 @@
 """fxamp's Lightning plugin in a real `lightning.Trainer` on CPU, against a hand-written loop
-that drives the same compiled model, optimizer and LossScaler through GradScaler's protocol.
+that drives the same compiled model and training_step (compiled by the plugin's
+`convert_module`), optimizer and LossScaler through GradScaler's protocol.
 
 O2 fp16 (16-bit weights, fxamp's AdamW with fp32 masters), compiled with aot_eager (the same
 graphs as Inductor's input, seconds instead of minutes). Batch 2 of the data holds an inf, so
@@ -19,7 +20,7 @@ import fxamp  # noqa: E402
 import fxamp.optim as fo  # noqa: E402
 from fxamp.errors import ConfigError  # noqa: E402
 from fxamp.integrations.lightning import Precision  # noqa: E402
-from fxamp.optim.master_check import MasterWeightsWarning  # noqa: E402
+from fxamp.errors import MasterWeightsWarning  # noqa: E402
 
 BATCHES, BAD_BATCH, LR = 6, 2, 1e-2
 
@@ -82,13 +83,13 @@ def _plugin(**kwargs):
 def _reference(accumulate=1, clip=None, epochs=1):
     """The loop the plugin should amount to, by hand."""
     model = Tiny()
-    fxamp.compile(model, opt_level="O2", dtype=torch.float16, compiler="aot_eager")
+    _plugin().convert_module(model)  # fxamp.compile, training_step included
     opt = fo.AdamW(model.parameters(), lr=LR, compile=False)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9)
     scaler = fxamp.LossScaler.from_config(fxamp.config_of(model))
     for _ in range(epochs):
-        for i, (x, y) in enumerate(_loader()):
-            loss = F.mse_loss(model(x).float(), y) / accumulate
+        for i, batch in enumerate(_loader()):
+            loss = model.training_step(batch, i) / accumulate
             scaler.scale(loss).backward()
             if (i + 1) % accumulate:
                 continue

@@ -76,3 +76,26 @@ def test_fxamp_o2_fp16_skips_the_overflow_and_checkpoints():
     resumed.load_state_dict(state)
     assert resumed.scaler.get_scale() == state["scale"]
     assert NativeScaler.state_dict_key == "amp_scaler"
+
+
+@pytest.mark.parametrize("ema_class", ["ModelEmaV2", "ModelEmaV3"])
+def test_timms_ema_of_an_o2_model_moves(ema_class):
+    # timm's EMAs lerp `ema.state_dict()` values toward `model.state_dict()` values in place:
+    # an fxamp state dict is the live weights (Note [The state dict is the live weights]), so
+    # the EMA copy moves; with fp32 copies in the state dict (before issue 32) it never did.
+    # decay 0.5: an fp16 EMA rounds away updates below fp16's resolution (docs/backend.md).
+    import timm.utils
+
+    model = fxamp.compile(_model(), opt_level="O2", dtype=torch.float16, compiler="aot_eager")
+    ema = getattr(timm.utils, ema_class)(model, decay=0.5)
+    start = {k: v.clone() for k, v in ema.module.state_dict().items()}
+    opt = fxamp.optim.AdamW(model.parameters(), lr=1e-2)
+    loss_scaler = NativeScaler()
+    for x, y in _batches()[:BAD_STEP]:
+        loss_scaler(F.cross_entropy(model(x), y), opt)
+        opt.zero_grad()
+        ema.update(model)
+    moved = [k for k, v in ema.module.state_dict().items()
+             if v.is_floating_point() and not torch.equal(v, start[k])]
+    assert ema.module.fc.weight.dtype == torch.float16
+    assert "fc.weight" in moved and len(moved) > len(start) // 2

@@ -260,3 +260,32 @@ def test_a_state_format_the_cast_model_cannot_hold_is_refused_before_anything_ch
         fo.initialize(model, opt, opt_level=level, compiler="aot_eager", **overrides)
     assert all(p.dtype == torch.float32 and torch.equal(p, w)
                for p, w in zip(model.parameters(), weights))
+
+
+@pytest.mark.parametrize("make_sched", [
+    lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s)),
+    lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=5e-2, total_steps=8),
+], ids=["lambda", "onecycle"])
+def test_a_scheduler_built_before_initialize_drives_the_converted_optimizer(make_sched):
+    # Apex's initialize returned the optimizer it was given, so a scheduler built on it before
+    # kept driving it (Note [Schedulers of a replaced optimizer]): the same lrs and betas, and
+    # the same weights, as a scheduler built on the optimizer initialize returns.
+    def run(before):
+        model = make_mlp()
+        opt = _adamw(model)
+        sched = make_sched(opt) if before else None
+        _, opt = _init(model, opt, **FP32_DYNAMIC)
+        sched = sched or make_sched(opt)
+        seen = []
+        for step in range(4):
+            loss_of(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))
+        return seen, snapshot(opt)
+
+    seen, state = run(before=True)
+    ref_seen, ref_state = run(before=False)
+    assert seen == ref_seen and len(set(lr for lr, _ in seen)) == 4
+    assert bit_identical(state, ref_state)

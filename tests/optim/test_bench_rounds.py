@@ -60,3 +60,17 @@ def test_methods_left_when_the_deadline_nears_are_recorded_as_skipped(monkeypatc
     monkeypatch.setenv(deadline.ENV, "0")  # long past
     rows, skipped, _ = _time_mode({"fxamp": _fake(4), "a": _fake(4)}, 100)
     assert set(rows) == {"fxamp"} and "deadline" in skipped["a"]
+
+
+def test_a_method_is_expected_to_take_what_the_last_of_its_kind_took():
+    # Note [What readying a method costs]: the first report expected every method to take twice
+    # the anchor's cold compile, and skipped torch's eager baselines, which take under a second.
+    from benchmarks.optimizer_groups import EAGER_GUESS_S, ReadyCost
+
+    cost = ReadyCost(bench.compiles)
+    cost.record("fxamp", 38.0)  # the first compile in the process
+    assert cost.expected("eager O2") == EAGER_GUESS_S
+    assert cost.expected("fxamp low_memory") == cost.expected("torchao AdamW8bit") == 38.0
+    cost.record("eager O2", 0.7)
+    cost.record("fxamp low_memory", 12.0)
+    assert cost.expected("fused+GS") == 0.7 and cost.expected("fxamp compensated") == 12.0

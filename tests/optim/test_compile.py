@@ -2,6 +2,7 @@
 the number of parameter tensors (on a GPU, no host synchronisation: tests/gpu/test_cuda_optim.py;
 one compile per kind, shared by every optimizer: test_compile_once.py)."""
 
+import pytest
 import torch
 from optim_helpers import make_mlp, train
 
@@ -120,3 +121,53 @@ def test_ten_loss_scalers_with_different_rules_update_in_one_process():
             for scaler in (compiled, eager):
                 scaler.update(torch.tensor(overflow))
         assert compiled.state_dict() == eager.state_dict(), rule
+
+
+def _prologue_graph(opt, scaler):
+    """The ATen graph of `opt`'s prologue for its next step, traced (not run) with make_fx."""
+    from fxamp._compat import make_fx
+    from fxamp.optim.functional import fused_step
+
+    state = opt._device_state
+    grads = state.grads()
+    step_state = fused_step.StepState(state.hyper, state.step_count, opt.found_inf,
+                                      opt.grad_norm)
+    scaler_state = scaler.state_tensors(state.device)
+
+    def prologue(*flat):
+        return fused_step.prologue(list(flat[:len(grads)]), step_state, scaler_state, None,
+                                   coefs_fn=opt.algorithm.coefs, check=True,
+                                   max_norm=opt.max_grad_norm, rule=scaler.rule)
+
+    return make_fx(prologue)(*grads)
+
+
+@pytest.mark.parametrize("clip", [None, 1.0], ids=["no-clip", "clip"])
+def test_every_per_step_scalar_is_one_element_read_after_the_reduction(clip):
+    # Note [One kernel for the per-step scalars]: on CUDA, Inductor computes the prologue's
+    # scalars in the reduction's last kernel only if each has the reduction's output shape (one
+    # element) and reads its result; a scalar of the hyperparameters alone, or a stacked [G, K]
+    # tensor, was a kernel of its own (8 launches per step on an H100).
+    model = _stack(3)
+    opt = fo.AdamW(model.parameters(), max_grad_norm=clip, compile=False)
+    scaler = fo.LossScaler(compile=False)
+    scaler.scale(model(torch.randn(2, 4)).square().sum()).backward()
+    opt.step(scaler)  # creates the device state
+    graph = _prologue_graph(opt, scaler).graph
+    reductions = [n for n in graph.nodes if n.op == "call_function"
+                  and n.target.__name__.split(".")[0] in ("any", "all", "sum")]
+    assert reductions
+
+    def reads_reduction(node, seen=None):
+        seen = set() if seen is None else seen
+        if node in reductions:
+            return True
+        seen.add(node)
+        return any(reads_reduction(a, seen) for a in node.all_input_nodes if a not in seen)
+
+    (rows,) = [n.args[0] for n in graph.nodes if n.op == "output"]
+    (outputs,) = rows  # one param group
+    assert len(outputs) == 8 + 3  # AdamW's 8 columns, the step, the gradient scale, the skip
+    for out in outputs:
+        assert out.meta["val"].dim() == 0, out
+        assert reads_reduction(out), f"{out} does not read the overflow/norm reduction"

@@ -14,7 +14,7 @@ import fxamp
 import fxamp.optim as fo
 from fxamp.errors import ConfigError
 from fxamp.optim.scaling.loss_scaler import OptState
-from fxamp.optim.master_check import MasterWeightsWarning
+from fxamp.errors import MasterWeightsWarning
 
 
 def _setup(dtype=torch.float32, fused=False):

@@ -1,5 +1,18 @@
 """torch's Adam, AdamW and SGD as fxamp's fused counterparts, with the same param groups and
-hyperparameters: what `initialize` (and `LARC` of a torch optimizer) builds in their place."""
+hyperparameters: what `initialize` (and `LARC` of a torch optimizer) builds in their place.
+
+# Note [Schedulers of a replaced optimizer]
+Apex's `amp.initialize` returned the optimizer it was given, so an lr scheduler built on it
+before (transformers' `get_linear_schedule_with_warmup(optimizer, ...)`, a `LambdaLR` passed
+to `accelerator.prepare` with the optimizer) kept driving it. fxamp returns a new, fused
+optimizer. A scheduler holds its optimizer and reads and writes `optimizer.param_groups` at every
+step (the lr, OneCycleLR's momentum, its own `initial_lr`, `max_lr`, ... keys), so the torch
+optimizer's `param_groups` become the fused optimizer's own list: every scheduler built on the
+torch optimizer, found by fxamp or not, drives the optimizer that trains, whose step reads its
+hyperparameters from its groups at every step. The keys a scheduler added are kept; only
+torch's flags (foreach, fused, ...) are dropped. The torch optimizer itself must not be stepped
+any more (its parameters are the fused optimizer's now), as after Apex's initialize.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +30,7 @@ _NATIVE = {torch.optim.AdamW: optimizers.AdamW, torch.optim.Adam: optimizers.Ada
            torch.optim.SGD: optimizers.SGD}
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "differentiable")
 _DROPPED_KEYS = ("foreach", "fused", "capturable", "differentiable", "maximize", "amsgrad",
-                 "decoupled_weight_decay", "initial_lr", "param_names")
+                 "decoupled_weight_decay", "param_names")
 
 
 def fused_class(opt: torch.optim.Optimizer) -> Optional[type]:
@@ -36,7 +49,8 @@ def to_fused(opt: torch.optim.Optimizer, cls: type, *, master_weights: bool,
              compile: bool) -> FusedOptimizer:
     """A new `cls` over `opt`'s param groups and defaults (its state is not carried over); an
     fxamp optimizer keeps its `max_grad_norm` and `state_format` (initialize carries its LARC
-    settings over).
+    settings over). `opt.param_groups` becomes the new optimizer's, so that the lr schedulers
+    built on `opt` drive it (Note [Schedulers of a replaced optimizer]).
 
     The defaults matter to a group added later: `add_param_group({"params": ..., "lr": ...})`
     takes every other hyperparameter (SGD's momentum, Adam's betas) from them, as torch.optim's
@@ -48,4 +62,6 @@ def to_fused(opt: torch.optim.Optimizer, cls: type, *, master_weights: bool,
                              if k in accepted and k not in _DROPPED_KEYS and k != "params"}
     if isinstance(opt, FusedOptimizer):  # its own settings, besides the param groups
         extra.update(max_grad_norm=opt.max_grad_norm, state_format=opt.state_format)
-    return cls(groups, master_weights=master_weights, compile=compile, **extra)
+    new = cls(groups, master_weights=master_weights, compile=compile, **extra)
+    opt.param_groups = new.param_groups  # everything is built: from here on `opt` changes
+    return new

@@ -108,11 +108,12 @@ def larc_algorithm(inner: Algorithm, settings: LARCSettings) -> Algorithm:
         aux=functools.partial(_aux, inner=inner.aux))
 
 
-def _coefs(hyper: Tensor, step: Tensor, *, inner, lr_col: int, wd_col: int) -> Tensor:
+def _coefs(hyper: Tensor, step: Tensor, *, inner, lr_col: int,
+           wd_col: int) -> tuple[Tensor, ...]:
     # columns: 0 lr, 1 weight decay, then the inner rule's, computed with weight decay 0
     keep = torch.arange(hyper.shape[1], device=hyper.device) != wd_col
-    inner_coefs = inner(torch.where(keep, hyper, 0.0), step).to(hyper.dtype)
-    return torch.cat([hyper[:, lr_col, None], hyper[:, wd_col, None], inner_coefs], 1)
+    inner_coefs = inner(torch.where(keep, hyper, 0.0), step)
+    return hyper[:, lr_col], hyper[:, wd_col], *(c.to(hyper.dtype) for c in inner_coefs)
 
 
 def _update(w: Tensor, g: Tensor, states, c: Tensor, owner: Tensor, n_params: int,

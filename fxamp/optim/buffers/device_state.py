@@ -138,11 +138,6 @@ class DeviceState:
                     self.hyper[gi, k].fill_(value)
             self._hyper_seen[gi] = row
 
-    @property
-    def groups(self) -> tuple[int, ...]:
-        """Per bucket, its param group (its row of the prologue's scalars)."""
-        return tuple(s.bucket.group_index for s in self.slots)
-
     def max_norm(self, value: Optional[float]) -> Optional[torch.Tensor]:
         """`max_grad_norm` as a 0-dim fp32 device tensor (a fill when it changed, so a new value
         compiles nothing), or None when not clipping."""

@@ -31,8 +31,11 @@ class Algorithm:
         hyper_keys: the param-group entries read into the hyperparameter tensor, in column order
             ("betas" expands to two columns).
         state_keys: per-parameter state names, as torch.optim calls them.
-        coefs: (hyper [G, H] float64, step 0-dim) -> [G, K] per-step scalars.
-        update: (w, g, states, c, *aux) -> (new w, new states); c is one group's row.
+        coefs: (hyper [G, H] float64, step [G]) -> K per-step scalars, each a [G] column
+            (columns, not one stacked [G, K] tensor: Note [One kernel for the per-step
+            scalars] in fused_step.py).
+        update: (w, g, states, c, *aux) -> (new w, new states); c is one group's K scalars
+            (0-dim tensors, indexed like a row).
         aux: bucket -> extra constant tensors the update needs (LAMB's chunk owners).
         has_state: group -> whether its buckets keep state (SGD without momentum does not).
         per_tensor_norms: the update needs whole-parameter norms (LAMB, LARC), which sharded
@@ -42,7 +45,7 @@ class Algorithm:
     name: str
     hyper_keys: tuple[str, ...]
     state_keys: tuple[str, ...]
-    coefs: Callable[[Tensor, Tensor], Tensor]
+    coefs: Callable[[Tensor, Tensor], tuple[Tensor, ...]]
     update: Callable[..., tuple[Tensor, tuple[Tensor, ...]]]
     aux: Callable[[Bucket], tuple[Any, ...]] = lambda bucket: ()
     has_state: Callable[[dict], bool] = lambda group: True
@@ -66,7 +69,7 @@ class Algorithm:
 
 
 # ---------------------------------------------------------------------------------------- Adam
-def _adam_coefs(hyper: Tensor, step: Tensor) -> Tensor:
+def _adam_coefs(hyper: Tensor, step: Tensor) -> tuple[Tensor, ...]:
     # float64 here, like torch.optim's Python-float scalars: 1 - beta2 rounded from an fp32
     # beta2 would be off by 5e-5 relative.
     lr, b1, b2, eps, wd = hyper.unbind(1)
@@ -74,7 +77,7 @@ def _adam_coefs(hyper: Tensor, step: Tensor) -> Tensor:
     bc1, bc2 = 1 - b1**step, 1 - b2**step
     # columns: 0 decay, 1 step size, 2 sqrt(bc2), 3 eps, 4 1 - beta1, 5 beta2, 6 1 - beta2,
     # 7 weight decay
-    return torch.stack([1 - lr * wd, lr / bc1, bc2.sqrt(), eps, 1 - b1, b2, 1 - b2, wd], 1)
+    return 1 - lr * wd, lr / bc1, bc2.sqrt(), eps, 1 - b1, b2, 1 - b2, wd
 
 
 def _adam_direction(g: Tensor, m: Tensor, v: Tensor, c: Tensor):
@@ -94,11 +97,11 @@ def adamw_update(w: Tensor, g: Tensor, states, c: Tensor):
 
 
 # ----------------------------------------------------------------------------------------- SGD
-def _sgd_coefs(hyper: Tensor, step: Tensor) -> Tensor:
+def _sgd_coefs(hyper: Tensor, step: Tensor) -> tuple[Tensor, ...]:
     lr, momentum, dampening, wd, nesterov = hyper.unbind(1)
     first = (step == 1).to(hyper.dtype).expand_as(lr)
     # columns: 0 lr, 1 momentum, 2 1 - dampening, 3 weight decay, 4 nesterov, 5 first step
-    return torch.stack([lr, momentum, 1 - dampening, wd, nesterov, first], 1)
+    return lr, momentum, 1 - dampening, wd, nesterov, first
 
 
 def sgd_update(w: Tensor, g: Tensor, states, c: Tensor):
@@ -113,7 +116,7 @@ def sgd_update(w: Tensor, g: Tensor, states, c: Tensor):
 
 
 # ---------------------------------------------------------------------------------------- LAMB
-def _lamb_coefs(hyper: Tensor, step: Tensor) -> Tensor:
+def _lamb_coefs(hyper: Tensor, step: Tensor) -> tuple[Tensor, ...]:
     lr, b1, b2, eps, wd, averaging, nvlamb, bias_correction = hyper.unbind(1)
     step = step.to(hyper.dtype)
     inv_bc1 = torch.where(bias_correction != 0, 1 / (1 - b1**step), 1.0)
@@ -122,7 +125,7 @@ def _lamb_coefs(hyper: Tensor, step: Tensor) -> Tensor:
     # columns: 0 lr, 1 beta1, 2 grad coefficient, 3 beta2, 4 1/bc1, 5 1/bc2, 6 eps, 7 wd,
     # 8 apply trust ratio, 9 1 - beta2
     grad_coef = torch.where(averaging != 0, 1 - b1, 1.0)
-    return torch.stack([lr, b1, grad_coef, b2, inv_bc1, inv_bc2, eps, wd, trust, 1 - b2], 1)
+    return lr, b1, grad_coef, b2, inv_bc1, inv_bc2, eps, wd, trust, 1 - b2
 
 
 def lamb_update(w: Tensor, g: Tensor, states, c: Tensor, owner: Tensor, n_params: int):

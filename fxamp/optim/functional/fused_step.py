@@ -17,7 +17,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from fxamp._compat import recompute_pointwise_options
+from fxamp._compat import fuse_unrelated_options, recompute_pointwise_options
 from fxamp.optim import distributed
 from fxamp.optim.functional import codecs
 from fxamp.optim.functional.kinds import CompiledPerKind
@@ -44,11 +44,11 @@ class StepState(NamedTuple):
 def prologue(grads: Sequence[Tensor], state: StepState,
              scaler_state: Optional[tuple[Tensor, ...]],
              found_in: Optional[Tensor], *,
-             coefs_fn: Callable[[Tensor, Tensor], Tensor], check: bool,
-             max_norm: Optional[Tensor], rule: Optional[ScaleRule], groups: Sequence[int],
-             group: Any = None, sharded: Sequence[bool] = ()) -> tuple[Tensor, ...]:
-    """Reductions and per-step scalars; returns, for each bucket (`groups`: its param group),
-    the K + 3 scalars `update` reads (its group's coefficients, then STEP, GRAD_SCALE, SKIP).
+             coefs_fn: Callable[[Tensor, Tensor], Sequence[Tensor]], check: bool,
+             max_norm: Optional[Tensor], rule: Optional[ScaleRule], group: Any = None,
+             sharded: Sequence[bool] = ()) -> list[tuple[Tensor, ...]]:
+    """Reductions and per-step scalars; returns, per group, the K + 3 scalars for `update`, each
+    a 0-dim tensor (Note [One kernel for the per-step scalars]).
 
     `found_in` is an overflow already seen (by `fold_grads`); the scale update only runs for
     `scaler_state`, whose scale the gradients carry; `max_norm` (0-dim fp32) clips the norm.
@@ -79,17 +79,43 @@ def prologue(grads: Sequence[Tensor], state: StepState,
         state.norm.copy_(norm)
         grad_scale = inv_scale * (max_norm / (norm + 1e-6)).clamp_max(1.0)
     new_step = step + (~found).to(step.dtype)
-    coefs = coefs_fn(state.hyper, new_step).float()
-    rows = coefs.shape[0]  # one step count per group (a group added later starts at 0)
-    tail = torch.stack([new_step.float().expand(rows), grad_scale.expand(rows),
-                        found.float().expand(rows)], 1)
+    # Note [One kernel for the per-step scalars]: every scalar is read after the reduction.
+    hyper = state.hyper * _one_after(found, state.hyper.dtype)
+    columns = [c.float() for c in coefs_fn(hyper, new_step)]
+    # One step count per group (a group added later starts at 0).
+    rows = [(*(c[g] for c in columns), new_step[g].float(),
+             grad_scale * _one_after(found, torch.float32), found.float())
+            for g in range(state.hyper.shape[0])]
     step.copy_(new_step)
     state.found.copy_(found)
     if scaler_state is not None and rule.moves:
         for dst, src in zip(scaler_state, after_step(scaler_state, found, rule)):
             dst.copy_(src)
-    table = torch.cat([coefs, tail], 1)
-    return tuple(table[g].clone() for g in groups)  # own outputs, not views of `table`
+    return rows
+
+
+def _one_after(found: Tensor, dtype: torch.dtype) -> Tensor:
+    """Exactly 1 in `dtype`, computed from `found`: multiplying by it changes no bit of a value
+    (inf, nan and -0.0 included) and makes the value depend on the reduction."""
+    return (~found).to(dtype) + found.to(dtype)
+
+
+# Note [One kernel for the per-step scalars]
+# Inductor fuses a node into a kernel only if they share its iteration space; on CUDA, a
+# reduction to a scalar is one kernel (small tensors) or two (a split reduction: partial results,
+# then a final one whose kernel can also compute pointwise *consumers* of the result, of one
+# element each). The per-step scalars were a [groups, K + 3] tensor (8 and 3 elements per group
+# for Adam, each a kernel of its own), the scale update's write-back another, and the columns
+# that depend only on the hyperparameters did not depend on the reduction at all: 4 kernels of a
+# few threads besides the reduction's (measured on an H100: 8 launches per step with the update,
+# tests/gpu/test_cuda_optim.py). So the scalars are returned as one 0-dim tensor each (per group:
+# one element, the reduction's output shape), every one of them is made to read the reduction's
+# result (`_one_after`: a multiply by exactly 1), and the prologue is compiled with
+# `aggressive_fusion` (fxamp/_compat: fuse_unrelated_options), so that the reduction's final
+# kernel computes them all and writes the step count and scale state back. Inductor's CUDA code
+# for the 1B-parameter O2 step (generated without a GPU, torch 2.11): 2 kernels for the
+# prologue (a split reduction) and 1 for the update, was 6 and 1; on CPU the prologue stays one
+# C++ kernel. The update reads the scalars as 0-dim loads, indexed as it indexed a row.
 
 
 class BucketArgs(NamedTuple):
@@ -105,11 +131,12 @@ class BucketArgs(NamedTuple):
     stream_keys: Tensor  # int64: the master's and each state's codecs.stream_key
 
 
-def update(bucket: BucketArgs, c: Tensor, *, update_fn: Callable, unsigned: Sequence[bool],
-           stochastic: Sequence[bool] = ()) -> None:
-    """One elementwise pass over one bucket, `c` its row of the prologue's scalars: decode the
-    weights and states, unscale and clip the gradient, apply the rule, encode, select the old
-    values when skipping, write the weights, the states and the model copy.
+def update(bucket: BucketArgs, c: Sequence[Tensor], *, update_fn: Callable,
+           unsigned: Sequence[bool], stochastic: Sequence[bool] = ()) -> None:
+    """One elementwise pass over one bucket, `c` its group's scalars from the prologue (0-dim
+    tensors, indexed like a row): decode the weights and states, unscale and clip the gradient,
+    apply the rule, encode, select the old values when skipping, write the weights, the states
+    and the model copy.
 
     The weights are decoded by their master kind (Note [16-bit masters] in docs/design.md);
     each state is a tuple of buffers (one, or int8 codes and scales, Note [8-bit moments]);
@@ -207,7 +234,7 @@ _STEP_FNS = (prologue, update, fold_grads, gather_grads, unscale_grads)
 class StepFns:
     """The step's functions by name: compiled (`compiled()`) or plain (`eager`)."""
 
-    prologue: Callable[..., tuple[Tensor, ...]]
+    prologue: Callable[..., list[tuple[Tensor, ...]]]
     update: Callable[..., None]
     fold_grads: Callable[..., None]
     gather_grads: Callable[..., None]
@@ -216,10 +243,11 @@ class StepFns:
 
 eager = StepFns(**{fn.__name__: fn for fn in _STEP_FNS})
 
+
 def _compile_per_kind() -> StepFns:
-    # Note [A codec the CPU runs fast]: the update recomputes pointwise values, not stores them.
-    return StepFns(**{fn.__name__: CompiledPerKind(
-        fn, recompute_pointwise_options if fn is update else None) for fn in _STEP_FNS})
+    options = {update: recompute_pointwise_options,  # Note [A codec the CPU runs fast]
+               prologue: fuse_unrelated_options}  # Note [One kernel for the per-step scalars]
+    return StepFns(**{fn.__name__: CompiledPerKind(fn, options.get(fn)) for fn in _STEP_FNS})
 
 
 _COMPILED = _compile_per_kind()

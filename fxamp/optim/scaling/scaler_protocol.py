@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import enum
-import weakref
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -32,7 +31,7 @@ import torch
 from fxamp._compat import unscale_and_check_
 from fxamp.errors import ConfigError
 from fxamp.optim.functional.fused_step import inverse
-from fxamp.optim.master_check import check_master_weights
+from fxamp.master_weights import check_master_weights
 from fxamp.optim.scaling.scale_round import ScaleRound
 
 if TYPE_CHECKING:
@@ -57,11 +56,10 @@ class _Record:
 
 class OptimizerStates:
     """Each optimizer's OptState and overflow flag since the last `update()` (GradScaler's
-    `_per_optimizer_states`), and the optimizers already warned about bfloat16 weights."""
+    `_per_optimizer_states`)."""
 
     def __init__(self) -> None:
         self._records: dict[int, _Record] = {}
-        self._warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
     def stage(self, optimizer: Any) -> OptState:
         return self._records.get(id(optimizer), _Record()).stage
@@ -77,7 +75,7 @@ class OptimizerStates:
         if fused:
             flag = _unscale_fused(scaler, optimizer)
         else:
-            check_master_weights(optimizer, "scaler.unscale_", self._warned)
+            check_master_weights(optimizer, "scaler.unscale_")
             flag = _unscale_torch(scaler, optimizer)
         self._records[id(optimizer)] = _Record(OptState.UNSCALED, flag)
 
