@@ -5,6 +5,7 @@ import io
 import pathlib
 import re
 import tokenize
+import warnings
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ COMPAT = PACKAGE / "_compat"
 PRIVATE_ATTRIBUTES = frozenset({
     "_compiled_call_impl", "_call_impl", "_parameters", "_buffers", "_rename",
     "_get_active_ddp_module", "_get_zeros_like_grad_buckets", "_enter_autocast",
-    "_exit_autocast", "_BatchNorm", "_InstanceNorm"})
+    "_exit_autocast", "_BatchNorm", "_InstanceNorm", "_opt_called"})
 PRIVATE_META_KEYS = frozenset({"seq_nr", "from_node", "fwd_nn_module_stack", "partitioner_tag",
                                "example_value"})
 
@@ -153,3 +154,20 @@ def test_compile_fresh_keeps_keyword_defaults_and_names():
     assert compiled(torch.ones(1)).item() == 2.0
     assert compiled.__wrapped__.__qualname__ == fn.__qualname__
     assert compiled.__wrapped__.__code__ is not fn.__code__
+
+
+def _scheduled_sgd():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+
+def test_marking_an_optimizer_stepped_is_what_its_schedulers_read():
+    # convert.py's step hook: a replaced optimizer's schedulers hear of the fused one's steps.
+    opt, sched = _scheduled_sgd()
+    with pytest.warns(UserWarning, match=r"before `optimizer.step\(\)`"):
+        sched.step()
+    opt, sched = _scheduled_sgd()
+    _compat.mark_stepped_for_schedulers(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sched.step()

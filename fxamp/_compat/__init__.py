@@ -26,6 +26,7 @@ from fxamp._compat.kernels import (foreach_add_, foreach_copy_, scaled_mm, scale
                                    unscale_and_check_)
 from fxamp._compat.modules import (COMPILED_CALL_ATTR, ENTER_AUTOCAST, EXIT_AUTOCAST,
                                    NORM_MODULE_TYPES, call_impl, own_tensors, set_compiled_call)
+from fxamp._compat.optim import SCHEDULER_SAW_STEP_ATTR, mark_stepped_for_schedulers
 from fxamp._compat.tracing import (EXAMPLE_VALUE, FWD_NN_MODULE_STACK, GET_DATA_ATTR,
                                    PARTITIONER_TAG, SEQ_NR, SET_GRAD_ENABLED, FakeTensor,
                                    FakeTensorMode, HigherOrderOperator, OpOverload,
@@ -43,14 +44,16 @@ __all__ = [
     "dynamo_counters", "dynamo_traces_rnns", "isolated_recompiles", "emit_call",
     "ENTER_AUTOCAST", "EXAMPLE_VALUE",
     "EXIT_AUTOCAST", "FakeTensor", "FakeTensorMode", "foreach_add_", "foreach_copy_",
-    "from_node_names", "fsdp_module_class", "fuse_unrelated_options", "functional_all_reduce", "FWD_NN_MODULE_STACK",
+    "from_node_names", "fsdp_module_class", "fuse_unrelated_options", "functional_all_reduce",
+    "FWD_NN_MODULE_STACK",
     "GET_DATA_ATTR", "HigherOrderOperator", "inductor_config_keys", "list_mode_options",
-    "make_boxed_func", "make_fx", "make_fx_tracer", "NORM_MODULE_TYPES", "OpOverload",
-    "own_tensors", "PARTITIONER_TAG", "python_dispatcher", "pytree",
+    "make_boxed_func", "make_fx", "make_fx_tracer", "mark_stepped_for_schedulers",
+    "NORM_MODULE_TYPES", "OpOverload", "own_tensors", "PARTITIONER_TAG", "python_dispatcher",
+    "pytree",
     "recompute_pointwise_options", "record_node", "rename_node", "retrace_subgraph",
-    "run_and_get_code", "same_layout", "scaled_mm", "scaled_mm_refusal", "SEQ_NR",
-    "set_compiled_call", "SET_GRAD_ENABLED", "size_hint", "size_rule_holds",
-    "split_returned_input", "storage_key",
+    "run_and_get_code", "same_layout", "scaled_mm", "scaled_mm_refusal",
+    "SCHEDULER_SAW_STEP_ATTR", "SEQ_NR", "set_compiled_call", "SET_GRAD_ENABLED", "size_hint",
+    "size_rule_holds", "split_returned_input", "storage_key",
     "TorchDispatchMode", "traced_record", "unscale_and_check_", "unsharded_class",
     "Unsupported", "UserError", "without_donated_buffers"
 ]

@@ -29,7 +29,7 @@ from fxamp.model.prepare import config_of
 from fxamp.integrations.accelerate_state import (load_models_with_tied_views,
                                                  save_views_as_tensors)
 
-__all__ = ["Accelerator", "FusedAcceleratedOptimizer"]
+__all__ = ["Accelerator", "FusedAcceleratedOptimizer", "check_convertible"]
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "no": None}
 
@@ -89,8 +89,8 @@ class Accelerator(accelerate.Accelerator):
 
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
         """accelerate's `prepare`, with fxamp's opt level applied first to the models not yet
-        compiled by fxamp and to the torch optimizers (built on those models' parameters).
-        Build lr schedulers on the optimizers it returns (or pass them in the same call)."""
+        compiled by fxamp and to the optimizers (`apply_amp`). lr schedulers built on the
+        optimizers given, passed in the same call or later, drive the ones it returns."""
         args = self.apply_amp(*args)
         return super().prepare(*args, device_placement=device_placement)
 
@@ -148,16 +148,17 @@ class Accelerator(accelerate.Accelerator):
     def apply_amp(self, *args: Any) -> tuple:
         """`args` with fxamp's opt level applied, without accelerate's preparation: models not
         yet compiled by fxamp are compiled (in place), torch Adam / AdamW / SGD become fxamp's
-        fused optimizers over the same param groups; those get this accelerator's loss scaler.
-        What `prepare` does first; the Trainer calls it before building its lr scheduler."""
+        fused optimizers over the same param groups, and so do fxamp optimizers built on a
+        model compiled here (rebuilt over its cast, moved parameters, as `initialize` does);
+        those get this accelerator's loss scaler. What `prepare` does first; the Trainer calls
+        it before building its lr scheduler."""
         models = [a for a in args if isinstance(a, torch.nn.Module) and config_of(a) is None]
+        compiled_here = {id(p) for m in models for p in m.parameters()}
         opts = [a for a in args if isinstance(a, torch.optim.Optimizer)
-                and not isinstance(a, (FusedOptimizer, AcceleratedOptimizer))]
+                and not isinstance(a, AcceleratedOptimizer)
+                and (not isinstance(a, FusedOptimizer) or _steps_any(a, compiled_here))]
         for opt in opts:
-            if fused_class(opt) is None:
-                raise ConfigError(f"{type(opt).__name__} has no fused fxamp counterpart: pass "
-                                  "torch.optim.Adam, AdamW or SGD (no amsgrad, maximize or "
-                                  "differentiable), or an fxamp.optim optimizer")
+            check_convertible(opt)
         if self.device_placement:  # the flat buffers are built where the parameters live
             for model in models:
                 model.to(self.device)
@@ -180,6 +181,20 @@ class FusedAcceleratedOptimizer(AcceleratedOptimizer):
     @property
     def step_was_skipped(self) -> bool:
         return self.optimizer.last_step_skipped()
+
+
+def check_convertible(opt: Any) -> None:
+    """Refuse a torch optimizer that fxamp has no fused counterpart of (by name), before
+    anything changes."""
+    if (isinstance(opt, torch.optim.Optimizer) and not isinstance(opt, AcceleratedOptimizer)
+            and fused_class(opt) is None):
+        raise ConfigError(f"{type(opt).__name__} has no fused fxamp counterpart: pass "
+                          "torch.optim.Adam, AdamW or SGD (no amsgrad, maximize or "
+                          "differentiable), or an fxamp.optim optimizer")
+
+
+def _steps_any(opt: torch.optim.Optimizer, param_ids: set[int]) -> bool:
+    return any(id(p) in param_ids for g in opt.param_groups for p in g["params"])
 
 
 def _dtype(mixed_precision: Optional[str], amp_options: dict[str, Any]) -> Any:

@@ -12,9 +12,8 @@ import torch
 import transformers
 
 from fxamp.errors import ConfigError
-from fxamp.integrations.accelerate import Accelerator
+from fxamp.integrations.accelerate import Accelerator, check_convertible
 from fxamp.model.prepare import config_of
-from fxamp.optim import FusedOptimizer
 
 __all__ = ["Trainer"]
 
@@ -24,13 +23,17 @@ class Trainer(transformers.Trainer):
 
     `fp16=True` / `bf16=True` in the TrainingArguments pick fxamp's dtype (neither: fxamp's
     default for the device); `opt_level` the Apex opt level. The model is compiled by fxamp and
-    the optimizer (the default AdamW, or a torch Adam / AdamW / SGD from `optimizers=` or
-    `optim=`) becomes fxamp's fused one before the lr scheduler is built on it. Then the
-    Trainer's `max_grad_norm` clips, and its logged `grad_norm` is, the unscaled norm; a step
-    with inf/nan gradients is skipped on the device and `optimizer_step_was_skipped` says so,
-    so the lr scheduler does not advance on it; checkpoints carry the loss scaler. The model is
-    saved (`save_model`, checkpoints) as the user's model had it: its weights in their own
-    dtypes and `config.json`'s `dtype` that of the model given, tied weights written once.
+    the optimizer (the default AdamW; a torch Adam / AdamW / SGD from `optim=`,
+    `optimizer_cls_and_kwargs=` or `optimizers=`; or an fxamp.optim one from those, rebuilt
+    over the cast model) becomes fxamp's fused one over the same param groups, before the
+    Trainer builds its lr scheduler; a scheduler passed in `optimizers=(optimizer, scheduler)`
+    drives it through those groups (Note [Schedulers of a replaced optimizer] in
+    fxamp/optim/apex/convert.py). Then the Trainer's `max_grad_norm` clips, and its logged
+    `grad_norm` is, the unscaled norm; a step with inf/nan gradients is skipped on the device
+    and `optimizer_step_was_skipped` says so, so the lr scheduler does not advance on it;
+    checkpoints carry the loss scaler. The model is saved (`save_model`, checkpoints) as the
+    user's model had it: its weights in their own dtypes and `config.json`'s `dtype` that of
+    the model given, tied weights written once.
 
     Args:
         opt_level: "O0", "O1", "O2" or "O3".
@@ -39,15 +42,20 @@ class Trainer(transformers.Trainer):
         *args, **kwargs: transformers.Trainer's.
 
     Raises:
-        ConfigError: what fxamp's Accelerator refuses, and `torch_compile_backend` other than
-            "fxamp" (fxamp compiles the model itself); raised before the Trainer is built.
+        ConfigError: what fxamp's Accelerator refuses, `torch_compile_backend` other than
+            "fxamp" (fxamp compiles the model itself), and an optimizer in `optimizers=` that
+            fxamp has no fused counterpart of; raised before the Trainer is built. (One that
+            `optim=` or `optimizer_cls_and_kwargs=` names is refused when `train()` builds
+            it, before the model changes.)
     """
 
     def __init__(self, *args: Any, opt_level: str = "O1",
                  amp_options: Optional[dict[str, Any]] = None, compiler: str = "inductor",
                  **kwargs: Any) -> None:
         self._fxamp = dict(opt_level=opt_level, amp_options=amp_options, compiler=compiler)
-        _check_scheduler(kwargs.get("optimizers", (None, None)))
+        given = inspect.signature(transformers.Trainer.__init__).bind_partial(
+            self, *args, **kwargs).arguments
+        check_convertible(given.get("optimizers", (None, None))[0])
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         if training_args is not None and training_args.torch_compile:
             _check_compile_backend(training_args.torch_compile_backend)
@@ -136,15 +144,6 @@ class UserDtypes:
                 casts[same] = value.to(want)
             out[key] = casts[same]
         return out
-
-
-def _check_scheduler(optimizers: Any) -> None:
-    opt, scheduler = optimizers
-    if scheduler is not None and not isinstance(opt, FusedOptimizer):
-        raise ConfigError("optimizers=(optimizer, scheduler): the scheduler is built on the "
-                          f"{type(opt).__name__} that fxamp replaces by its fused optimizer, "
-                          "so it would step nothing; pass optimizers=(optimizer, None) with "
-                          "lr_scheduler_type, or build the scheduler on an fxamp.optim optimizer")
 
 
 def _check_compile_backend(backend: Optional[str]) -> None:

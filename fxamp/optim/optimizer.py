@@ -60,6 +60,7 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
 
     algorithm: Algorithm
     larc: Optional[LARCSettings] = None  # once fxamp.optim.LARC applied them
+    handed_over = False  # see hand_over
     fuses_loss_scaling = True  # a LossScaler's GradScaler protocol hands it the scaler
 
     def __init__(self, params: ParamsT,
@@ -142,6 +143,14 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         checkpoint.expose_state(self)  # every entry: the step counts are a new tensor
         log.debug("%s: param group %d added with %d buckets", owner, index, len(new))
 
+    def hand_over(self) -> None:
+        """Free the buffers and states once another optimizer steps these param groups (Note
+        [Schedulers of a replaced optimizer] in convert.py); `step` refuses from then on."""
+        state, self.handed_over = self._device_state, True
+        self._device_state = DeviceState(state.device, state.fmt, fp32_masters=state.fp32_masters)
+        self.state.clear()
+        self.master_grads.drop()
+
     @property
     def step_counts(self) -> torch.Tensor:
         """The step count of each param group, one device tensor (each parameter's "step" in
@@ -176,6 +185,7 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         if callable(scaler) and not isinstance(scaler, LossScaler):
             scaler, closure = None, scaler  # torch.optim's positional closure
         check_scaler_arg(scaler, "step")
+        param_groups.check_not_handed_over(self.handed_over, type(self).__name__)
         param_groups.check_left_out(self._left_out, type(self).__name__)
         exits.resolve_unless_step_takes_exit(self)  # Note [Apex's scale_loss exits]
         exits.hand_exit_to_step(self)

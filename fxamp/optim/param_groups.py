@@ -3,7 +3,8 @@
 A group added after construction (unfreezing layers while fine-tuning) is laid out like the
 first ones (`DeviceState.add_groups` in buffers/device_state.py). A parameter that was frozen
 when its group was flattened is in no buffer: if it later gets a gradient, torch.optim would
-step it, so the step refuses rather than leave it untrained.
+step it, so the step refuses rather than leave it untrained. An optimizer that handed its
+groups over to another (`FusedOptimizer.hand_over`) holds none of them and refuses to step.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from fxamp.errors import ConfigError
 from fxamp.optim.buffers.bucket import Bucket
 
-__all__ = ["left_out", "check_left_out"]
+__all__ = ["left_out", "check_left_out", "check_not_handed_over"]
 
 
 def left_out(groups: Sequence[dict], buckets: Sequence[Bucket]
@@ -24,6 +25,14 @@ def left_out(groups: Sequence[dict], buckets: Sequence[Bucket]
     held = {id(p) for b in buckets for p in b.params}
     return [(gi, pi, p) for gi, g in enumerate(groups) for pi, p in enumerate(g["params"])
             if id(p) not in held]
+
+
+def check_not_handed_over(handed_over: bool, owner: str) -> None:
+    """Refuse a step of an optimizer whose param groups another one steps (hand_over)."""
+    if handed_over:
+        raise ConfigError(f"this {owner} was replaced by the optimizer that fxamp.initialize (or "
+                          "fxamp's accelerate or transformers integration) built over the same "
+                          "param groups; step that one")
 
 
 def check_left_out(left: Sequence[tuple[int, int, torch.Tensor]], owner: str) -> None:

@@ -206,7 +206,8 @@ def test_float8_reaches_fsdp2_sharded_modules():
         assert r["choices"] == {"blocks.0.up": True, "blocks.0.down": True,
                                 "blocks.1.up": True, "blocks.1.down": True,
                                 "blocks.2.up": True, "blocks.2.down": False, "head": True}, r
-        assert r["state_dtypes"] == ["torch.float32"], r  # O2 saves fp32, as Apex; no float8
+        # the live weights: 16-bit at O2 (Note [The state dict is the live weights]); no float8
+        assert r["state_dtypes"] == ["torch.bfloat16"], r
         assert r["warnings"] == [], r
         # delayed scaling's histories would differ per rank: refused at the first call
         assert r["delayed_refusal"].startswith("float8 scaling='delayed' under FSDP2: each rank")

@@ -5,6 +5,10 @@ Models are compiled with compiler="aot_eager" (same graphs, no Inductor) to keep
 compiled optimizer step is covered by the other files.
 """
 
+import gc
+import warnings
+import weakref
+
 import pytest
 import torch
 from optim_helpers import bit_identical, loss_of, make_mlp, snapshot
@@ -270,6 +274,8 @@ def test_a_scheduler_built_before_initialize_drives_the_converted_optimizer(make
     # Apex's initialize returned the optimizer it was given, so a scheduler built on it before
     # kept driving it (Note [Schedulers of a replaced optimizer]): the same lrs and betas, and
     # the same weights, as a scheduler built on the optimizer initialize returns.
+    # The optimizer it was built on never steps: torch's "lr_scheduler.step() before
+    # optimizer.step()" warning must not fire (the fused one's steps count).
     def run(before):
         model = make_mlp()
         opt = _adamw(model)
@@ -277,15 +283,60 @@ def test_a_scheduler_built_before_initialize_drives_the_converted_optimizer(make
         _, opt = _init(model, opt, **FP32_DYNAMIC)
         sched = sched or make_sched(opt)
         seen = []
-        for step in range(4):
-            loss_of(model, step).backward()
-            opt.step()
-            opt.zero_grad()
-            sched.step()
-            seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message=".*lr_scheduler.step")
+            for step in range(4):
+                loss_of(model, step).backward()
+                opt.step()
+                opt.zero_grad()
+                sched.step()
+                seen.append((opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]))
         return seen, snapshot(opt)
 
     seen, state = run(before=True)
     ref_seen, ref_state = run(before=False)
     assert seen == ref_seen and len(set(lr for lr, _ in seen)) == 4
     assert bit_identical(state, ref_state)
+
+
+def test_an_fxamp_optimizer_rebuilt_over_the_cast_model_hands_over():
+    # Built on the fp32 model, then initialize casts it (O2) and rebuilds the optimizer over
+    # the 16-bit weights. Its scheduler (and whoever else holds it) keeps it alive: its flat
+    # buffers must not be, and its step must not run silently on nothing.
+    model = make_mlp()
+    opt = fo.AdamW(model.parameters(), lr=1e-2, compile=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    buffers = [weakref.ref(t) for b in opt.buckets for t in (b.param, b.grad)]
+    model, new = _init(model, opt, opt_level="O2")
+    gc.collect()
+    assert all(ref() is None for ref in buffers)
+    assert opt.handed_over and opt.buckets == [] and not opt.state and not new.handed_over
+    with fo.scale_loss(loss_of(model, 0), new) as loss:
+        loss.backward()
+    new.step()
+    sched.step()
+    assert new.param_groups[0]["lr"] == 5e-3 and new.step_counts.tolist() == [1.0]
+    with pytest.raises(ConfigError, match="this AdamW was replaced by the optimizer that "
+                                          "fxamp.initialize .* built over the same param "
+                                          "groups; step that one"):
+        opt.step()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_a_replaced_torch_optimizer_refuses_to_step_before_changing_anything(level):
+    # Apex's initialize patched the optimizer it was given; fxamp returns a new one. A script
+    # that keeps stepping its own variable would update the parameters a second time with
+    # fresh moments (no masters at O2): refused, naming the fix, with nothing changed.
+    model = make_mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, new = _init(model, opt, opt_level=level)
+    with fo.scale_loss(loss_of(model, 0), new) as loss:
+        loss.backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ConfigError, match="this AdamW was replaced by the optimizer that "
+                                          "fxamp.initialize .* step that one"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert not opt.state
+    new.step()  # the returned one steps
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))

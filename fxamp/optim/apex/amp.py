@@ -163,12 +163,12 @@ def _convert(opt: torch.optim.Optimizer, config: AmpConfig, scalers: list[LossSc
     master_weights = config.master_weights is not False
     native = fused_class(opt)
     if native is not None:
+        if _has_state(opt):  # asked first: an fxamp optimizer hands its state over below
+            log.warning("%s already has state; initialize starts the converted optimizer "
+                        "afresh (load its state_dict afterwards to keep it)", type(opt).__name__)
         new = to_fused(opt, native, master_weights=master_weights, compile=compile)
         if getattr(opt, "larc", None) is not None:  # an fxamp optimizer LARC applied to
             apply_larc(new, opt.larc)
-        if _has_state(opt):
-            log.warning("%s already has state; initialize starts the converted optimizer "
-                        "afresh (load its state_dict afterwards to keep it)", type(opt).__name__)
     else:
         log.info("%s has no fused fxamp counterpart: wrapping it in FP16_Optimizer (one host "
                  "read per step unless built with fused=True)", type(opt).__name__)

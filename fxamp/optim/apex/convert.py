@@ -11,17 +11,29 @@ optimizer's `param_groups` become the fused optimizer's own list: every schedule
 torch optimizer, found by fxamp or not, drives the optimizer that trains, whose step reads its
 hyperparameters from its groups at every step. The keys a scheduler added are kept; only
 torch's flags (foreach, fused, ...) are dropped. The torch optimizer itself must not be stepped
-any more (its parameters are the fused optimizer's now), as after Apex's initialize.
+any more (its parameters are the fused optimizer's now): its `step` refuses, naming the fix,
+before it changes anything (a step pre-hook, torch's public one), where it would otherwise
+update the parameters a second time with fresh moments, silently.
+
+Two more things follow the schedulers. torch's scheduler warns at its first `step()` when the
+optimizer it was built on never stepped ("Detected call of `lr_scheduler.step()` before
+`optimizer.step()`"); that one never steps now, so each step of the fused optimizer tells the
+replaced one's schedulers that a step ran. And an fxamp optimizer rebuilt this way (built on the
+model before fxamp cast or moved it) hands over: its flat buffers and states are freed, so the
+schedulers, callbacks and user variables that still hold it do not hold a second copy of the
+weights.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Optional
+import weakref
+from typing import Any, Callable, Optional
 
 import torch
 
-from fxamp.optim import optimizers
+from fxamp import _compat
+from fxamp.optim import optimizers, param_groups
 from fxamp.optim.optimizer import FusedOptimizer
 
 __all__ = ["fused_class", "to_fused"]
@@ -50,7 +62,8 @@ def to_fused(opt: torch.optim.Optimizer, cls: type, *, master_weights: bool,
     """A new `cls` over `opt`'s param groups and defaults (its state is not carried over); an
     fxamp optimizer keeps its `max_grad_norm` and `state_format` (initialize carries its LARC
     settings over). `opt.param_groups` becomes the new optimizer's, so that the lr schedulers
-    built on `opt` drive it (Note [Schedulers of a replaced optimizer]).
+    built on `opt` drive it, and an fxamp `opt` frees its buffers (Note [Schedulers of a
+    replaced optimizer]).
 
     The defaults matter to a group added later: `add_param_group({"params": ..., "lr": ...})`
     takes every other hyperparameter (SGD's momentum, Adam's betas) from them, as torch.optim's
@@ -64,4 +77,27 @@ def to_fused(opt: torch.optim.Optimizer, cls: type, *, master_weights: bool,
         extra.update(max_grad_norm=opt.max_grad_norm, state_format=opt.state_format)
     new = cls(groups, master_weights=master_weights, compile=compile, **extra)
     opt.param_groups = new.param_groups  # everything is built: from here on `opt` changes
+    new.register_step_post_hook(_tell_schedulers_of(opt))
+    if isinstance(opt, FusedOptimizer):
+        opt.hand_over()
+    else:  # its own step refuses before it changes anything (a pre-hook raises first)
+        opt.register_step_pre_hook(_refuse_step)
     return new
+
+
+def _refuse_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """A replaced torch optimizer's step: its groups are the fused optimizer's now, and a step
+    would update the same parameters a second time, with fresh moments and no masters."""
+    param_groups.check_not_handed_over(True, type(optimizer).__name__)
+
+
+def _tell_schedulers_of(replaced: torch.optim.Optimizer) -> Callable[..., None]:
+    """A step hook telling the lr schedulers built on `replaced` that a step ran."""
+    ref = weakref.ref(replaced)  # the new optimizer does not keep the old one alive
+
+    def hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        old = ref()
+        if old is not None:
+            _compat.mark_stepped_for_schedulers(old)
+
+    return hook
