@@ -4,9 +4,8 @@ The step is `prologue` + one `update` per bucket from fused_step.py, compiled on
 shared by every optimizer of the process (Note [One compiled step per kind]). Nothing in `step`
 reads a device value: hyperparameters go to the device only when they change (an lr scheduler
 costs one scalar fill per group per step), and whether the step was skipped stays on the device
-until `last_step_skipped()`. The buckets and
-their states are laid out in buffers/device_state.py; what folds gradients of several losses
-and Apex's scale_loss exits is in folded_steps.py.
+until `last_step_skipped()`. Buckets and states: buffers/device_state.py; folding gradients
+of several losses and Apex's scale_loss exits: folded_steps.py.
 """
 
 from __future__ import annotations
@@ -258,13 +257,11 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
             coefs_fn=self.algorithm.coefs, check=check,
             max_norm=state.max_norm(self.max_grad_norm),
             rule=None if scaler is None else scaler.rule, **self._dist_kwargs())
-        unsigned, stochastic = state_buffers.rounding(self.algorithm.state_keys,
-                                                      self.state_format)
+        unsigned, stochastic = state_buffers.rounding(self.algorithm.state_keys, self.state_format)
         for slot, grad in zip(state.slots, grads):
             self._fns.update(slot.update_args(grad), coefs[slot.bucket.group_index],
                              update_fn=self.algorithm.update, unsigned=unsigned,
                              stochastic=stochastic)
-        for slot in state.slots:
             slot.bucket.write_back()
 
     def _dist_kwargs(self) -> dict[str, Any]:
