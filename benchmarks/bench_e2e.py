@@ -23,8 +23,9 @@ counter) from torch.profiler's memory timeline of the step.
 
 Compile time: the first step (Dynamo, fxamp's passes, AOTAutograd, Inductor, and for fxamp the
 optimizer step's compile) minus a steady step, each recipe in an empty Inductor cache
-(`torch._inductor.utils.fresh_cache`) so none reuses kernels another one compiled (`--warm`
-keeps the usual caches).
+(`torch._inductor.utils.fresh_cache`) and with fxamp's optimizer graphs forgotten
+(`fused_step.forget_compiled`), so none reuses kernels or graphs another one compiled (`--warm`
+keeps both; a second optimizer of a kind is `benchmarks.second_optimizer`).
 
 # Note [Taking turns]
 On a shared 2-core VM a block of steps of one recipe ran 6 ms and the next block of the same
@@ -58,6 +59,7 @@ import transformers
 
 import fxamp
 import fxamp.optim
+from fxamp.optim.functional import fused_step
 from benchmarks import compile_breakdown, deadline, gpu_lock
 from benchmarks.e2e_tables import BASELINES, absolute_rows, breakdown_rows, plot, ratio_rows
 from benchmarks.workloads import SIZES, WORKLOADS, Workload, peak_flops
@@ -220,9 +222,12 @@ def first_step(recipe: Recipe, batch, device: torch.device) -> tuple[float, tupl
 def prepare(recipe: str, make_model, batch, dtype, device, *, warmup: int, cold: bool,
             compiler: str = "inductor") -> Runner:
     """Build a recipe, time its first step (the compiles) in an empty Inductor cache, warm it
-    up, and measure its peak memory: what stays allocated plus one step's transient peak."""
+    up, and measure its peak memory: what stays allocated plus one step's transient peak.
+    Cold, the recipe also compiles its optimizer's kinds as the first of a process would."""
     from torch._inductor.utils import fresh_cache
 
+    if cold:  # nor an earlier recipe's optimizer graphs (Note [One compiled step per kind])
+        fused_step.forget_compiled()
     with fresh_cache() if cold else contextlib.nullcontext():
         built = build(recipe, make_model, dtype, device, compiler)
         first, parts = first_step(built, batch, device)

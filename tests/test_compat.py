@@ -88,7 +88,7 @@ def _by_constant(x, n):
 
 
 def test_a_fresh_copy_of_a_function_has_a_dynamo_cache_of_its_own():
-    # What Note [One compiled step per optimizer] relies on: Dynamo's recompile limit counts
+    # What Note [One compiled step per kind] relies on: Dynamo's recompile limit counts
     # the entries of one code object; twelve fresh copies take one graph each.
     x = torch.ones(2)
     shared = torch.compile(_by_constant, backend="eager", fullgraph=True, dynamic=False)
@@ -98,6 +98,51 @@ def test_a_fresh_copy_of_a_function_has_a_dynamo_cache_of_its_own():
     fresh = [_compat.compile_fresh(_by_constant, backend="eager", fullgraph=True,
                                    dynamic=False) for _ in range(12)]
     assert [f(x, n)[0].item() for n, f in enumerate(fresh)] == [1.0 + n for n in range(12)]
+
+
+def _blocks_and_clamp(xs, n, low):
+    out = xs[0].new_zeros(n)
+    for x in xs:
+        out = out + x.view(-1, 4).sum(1)[:1].sum()
+    return out.clamp_min(low)
+
+
+def test_compile_symbolic_keeps_sizes_and_ints_symbolic_and_floats_constant():
+    # What Note [One compiled step per kind] relies on: sizes equal in the first call are not
+    # tied together (no duck shaping), ints and other sizes reuse the graph, a float is a
+    # constant (a float symbol reaching clamp_min would restart the trace: aot_autograd's
+    # "total" counts both traces).
+    compiled = _compat.compile_symbolic(_blocks_and_clamp, backend="aot_eager")
+
+    def new_graphs(sizes, n, low):
+        before = (_compat.dynamo_counters["stats"]["unique_graphs"],
+                  _compat.dynamo_counters["aot_autograd"]["total"])
+        out = compiled([torch.ones(s) for s in sizes], n, low)
+        assert torch.equal(out, _blocks_and_clamp([torch.ones(s) for s in sizes], n, low))
+        return (_compat.dynamo_counters["stats"]["unique_graphs"] - before[0],
+                _compat.dynamo_counters["aot_autograd"]["total"] - before[1])
+
+    assert new_graphs([8, 8], 3, 0.5) == (1, 1)
+    assert new_graphs([8, 12], 3, 0.5) == (0, 0)  # other sizes, equal before
+    assert new_graphs([16, 20], 5, 0.5) == (0, 0)  # another int
+    assert new_graphs([16, 20], 5, 0.25) == (1, 1)  # another float: a constant
+
+
+def test_same_layout_compares_symbolic_sizes_without_guards():
+    from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                       StatelessSymbolicContext)
+
+    shape_env = ShapeEnv()
+    mode = _compat.FakeTensorMode(shape_env=shape_env)
+    dynamic = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC] * 2)
+    a = mode.from_tensor(torch.ones(4, 6), symbolic_context=dynamic)
+    b = mode.from_tensor(torch.ones(4, 6), symbolic_context=dynamic)  # sizes of their own
+    with mode:
+        assert _compat.same_layout(a, a.clone())
+        assert not _compat.same_layout(a, b)  # not known equal: different
+        assert not _compat.same_layout(a, a.t())
+        assert not _compat.same_layout(a, a.to(torch.bfloat16))
+    assert not shape_env.guards
 
 
 def test_compile_fresh_keeps_keyword_defaults_and_names():

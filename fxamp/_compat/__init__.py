@@ -15,6 +15,7 @@ from fxamp._compat.distributed import (active_ddp_module, ddp_bucket_dtypes, fsd
                                        functional_all_reduce, unsharded_class)
 from fxamp._compat.dynamo import (BackendCompilerFailed, Unsupported, UserError, aot_autograd,
                                   aot_eager, compile_cache_counters, compile_fresh,
+                                  compile_symbolic,
                                   compile_time_metrics, dynamo_counters, dynamo_traces_rnns,
                                   isolated_recompiles)
 from fxamp._compat.inductor import (compile_fx, fuse_unrelated_options, inductor_config_keys,
@@ -32,25 +33,27 @@ from fxamp._compat.tracing import (EXAMPLE_VALUE, FWD_NN_MODULE_STACK, GET_DATA_
                                    TorchDispatchMode, detect_fake_mode, emit_call,
                                    from_node_names, make_fx, make_fx_tracer, python_dispatcher,
                                    pytree, record_node, rename_node, retrace_subgraph,
+                                   same_layout,
                                    size_hint, size_rule_holds, split_returned_input, storage_key,
                                    traced_record)
 
 __all__ = [
     "TORCH_VERSION", "active_ddp_module", "aot_autograd", "aot_eager", "BackendCompilerFailed",
-    "call_impl", "compile_cache_counters", "compile_fresh", "compile_fx",
+    "call_impl", "compile_cache_counters", "compile_fresh", "compile_symbolic", "compile_fx",
     "compile_time_metrics", "COMPILED_CALL_ATTR", "ddp_bucket_dtypes", "detect_fake_mode",
     "dynamo_counters", "dynamo_traces_rnns", "isolated_recompiles", "emit_call",
     "ENTER_AUTOCAST", "EXAMPLE_VALUE",
     "EXIT_AUTOCAST", "FakeTensor", "FakeTensorMode", "foreach_add_", "foreach_copy_",
-    "from_node_names", "fsdp_module_class", "fuse_unrelated_options", "functional_all_reduce", "FWD_NN_MODULE_STACK",
+    "from_node_names", "fsdp_module_class", "fuse_unrelated_options", "functional_all_reduce",
+    "FWD_NN_MODULE_STACK",
     "GET_DATA_ATTR", "HigherOrderOperator", "inductor_config_keys", "list_mode_options",
     "make_boxed_func", "make_fx", "make_fx_tracer", "mark_stepped_for_schedulers",
     "NORM_MODULE_TYPES", "OpOverload", "own_tensors", "PARTITIONER_TAG", "python_dispatcher",
     "pytree",
     "recompute_pointwise_options", "record_node", "rename_node", "retrace_subgraph",
-    "run_and_get_code", "scaled_mm", "scaled_mm_refusal", "SCHEDULER_SAW_STEP_ATTR", "SEQ_NR",
-    "set_compiled_call",
-    "SET_GRAD_ENABLED", "size_hint", "size_rule_holds", "split_returned_input", "storage_key",
+    "run_and_get_code", "same_layout", "scaled_mm", "scaled_mm_refusal",
+    "SCHEDULER_SAW_STEP_ATTR", "SEQ_NR", "set_compiled_call", "SET_GRAD_ENABLED", "size_hint",
+    "size_rule_holds", "split_returned_input", "storage_key",
     "TorchDispatchMode", "traced_record", "unscale_and_check_", "unsharded_class",
     "Unsupported", "UserError", "without_donated_buffers"
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import types
 from typing import Any, Callable
@@ -43,14 +44,51 @@ def compile_fresh(fn: Callable, **compile_kwargs: Any) -> Callable:
     share its code object. A copy of the code object (equal, not identical) starts an empty
     cache that dies with the returned function. Checked on 2.11.0, 2.13.0, 2.14.1
     (tests/test_compat.py: twelve copies each take a graph of their own, one function taking
-    the same twelve graphs hits the limit). See Note [One compiled step per optimizer] in
-    fxamp/optim/functional/fused_step.py.
+    the same twelve graphs hits the limit). See Note [One compiled step per kind] in
+    docs/design.md.
     """
     copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
                               fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__, copy.__doc__ = fn.__qualname__, fn.__doc__
     return torch.compile(copy, **compile_kwargs)
+
+
+def compile_symbolic(fn: Callable, **compile_kwargs: Any) -> Callable:
+    """`compile_fresh(fn, dynamic=True, **compile_kwargs)` where every size and int of a call is
+    a symbol of its own and every float a constant.
+
+    `dynamic=True` makes sizes, ints and floats symbols, except 0 and 1 (specialised). Two
+    changes, for graphs shared by many optimizers:
+    - Dynamo gives sizes that are equal in the first call one symbol ("duck shaping") and
+      guards on their equality, so a later call where they differ (two buckets of equal sizes,
+      then of other ones) would compile again: here each size gets a symbol of its own
+      (`torch.fx.experimental._config.use_duck_shape`).
+    - A float symbol that reaches an op which cannot take it as a tensor (`clamp_min(x)`) makes
+      Dynamo restart the whole trace and specialise it anyway: here floats are constants from
+      the start (`torch._dynamo.config.specialize_float`), part of the caller's kind.
+    Both configs are read when Dynamo starts a compile, so they are set for the duration of
+    each call (set and restored directly: `patch` costs five times as much per call). Under an
+    enclosing torch.compile the call is traced inline. Checked on 2.11.0, 2.13.0, 2.14.1
+    (tests/test_compat.py).
+    """
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    compiled = compile_fresh(fn, dynamic=True, **compile_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return compiled(*args, **kwargs)
+        duck, floats = fx_config.use_duck_shape, dynamo_config.specialize_float
+        fx_config.use_duck_shape, dynamo_config.specialize_float = False, True
+        try:
+            return compiled(*args, **kwargs)
+        finally:
+            fx_config.use_duck_shape, dynamo_config.specialize_float = duck, floats
+
+    return call
 
 
 def isolated_recompiles() -> dict[str, Any]:

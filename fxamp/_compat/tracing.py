@@ -128,6 +128,20 @@ def size_rule_holds(cond: Any) -> bool:
     return guard_or_false(cond)
 
 
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two (fake) tensors have the same dtype, device, sizes, strides and storage
+    offset, decided without adding a guard: a symbolic size not known to be equal counts as
+    different. `torch.fx.experimental.symbolic_shapes.statically_known_true`, checked on
+    2.11.0, 2.13.0, 2.14.1."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    if a.dtype != b.dtype or a.device != b.device or a.dim() != b.dim():
+        return False
+    pairs = [*zip(a.shape, b.shape), *zip(a.stride(), b.stride()),
+             (a.storage_offset(), b.storage_offset())]
+    return all(x is y or statically_known_true(x == y) for x, y in pairs)
+
+
 def size_hint(value: Any) -> Optional[int]:
     """An int size, or the value a symbolic one (SymInt) had in the example being traced;
     None when it has none (data-dependent). `SymInt.node.hint`, checked on 2.11.0, 2.13.0,

@@ -1,11 +1,11 @@
 """FusedOptimizer: flat buffers, a loss scale and one compiled step for any update rule.
 
-The step is `prologue` + `update` from fused_step.py, compiled for each optimizer (Note [One
-compiled step per optimizer]). Nothing in `step` reads a device value: hyperparameters go to
-the device only when they change (an lr scheduler costs one scalar fill per group per step), and
-whether the step was skipped stays on the device until `last_step_skipped()`. The buckets and
-their states are laid out in buffers/device_state.py; what folds gradients of several losses
-and Apex's scale_loss exits is in folded_steps.py.
+The step is `prologue` + one `update` per bucket from fused_step.py, compiled once per kind and
+shared by every optimizer of the process (Note [One compiled step per kind]). Nothing in `step`
+reads a device value: hyperparameters go to the device only when they change (an lr scheduler
+costs one scalar fill per group per step), and whether the step was skipped stays on the device
+until `last_step_skipped()`. Buckets and states: buffers/device_state.py; folding gradients
+of several losses and Apex's scale_loss exits: folded_steps.py.
 """
 
 from __future__ import annotations
@@ -254,14 +254,14 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
                                           self.grad_norm)
         coefs = self._fns.prologue(
             grads, step_state, scaler_state=scale_state, found_in=found_in,
-            coefs_fn=self.algorithm.coefs, check=check, max_norm=self.max_grad_norm,
+            coefs_fn=self.algorithm.coefs, check=check,
+            max_norm=state.max_norm(self.max_grad_norm),
             rule=None if scaler is None else scaler.rule, **self._dist_kwargs())
-        unsigned, stochastic = state_buffers.rounding(self.algorithm.state_keys,
-                                                      self.state_format)
-        self._fns.update([s.update_args(g) for s, g in zip(state.slots, grads)], coefs,
-                         update_fn=self.algorithm.update, unsigned=unsigned,
-                         stochastic=stochastic, seed=self.state_format.seed)
-        for slot in state.slots:
+        unsigned, stochastic = state_buffers.rounding(self.algorithm.state_keys, self.state_format)
+        for slot, grad in zip(state.slots, grads):
+            self._fns.update(slot.update_args(grad), coefs[slot.bucket.group_index],
+                             update_fn=self.algorithm.update, unsigned=unsigned,
+                             stochastic=stochastic)
             slot.bucket.write_back()
 
     def _dist_kwargs(self) -> dict[str, Any]:

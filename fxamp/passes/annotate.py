@@ -16,11 +16,12 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from fxamp._compat import ENTER_AUTOCAST, EXIT_AUTOCAST, OpOverload, python_dispatcher, pytree
+from fxamp._compat import ENTER_AUTOCAST, EXIT_AUTOCAST, OpOverload, pytree
 from fxamp.config import AmpConfig
 from fxamp.errors import FxampError
 from fxamp.passes.aliasing import Aliasing
 from fxamp.passes.hops import body_inputs, hop_spec
+from fxamp.passes.propagate import run_with_casts, traced_if_same
 from fxamp.policy import LOW_DTYPES, CastPolicy
 from fxamp.provenance import is_boundary_cast
 from fxamp.policy.rules import ONE_DTYPE_OPS, USER_CAST_OPS, castable_args, choose_policy
@@ -164,17 +165,6 @@ def _lower_model_inputs(node, vals, eligible_idx, decision: OpDecision, config: 
         decision.reason = f"{config.opt_level} graph input cast to the model dtype"
 
 
-def _run(node: fx.Node, vals: list[Any], decision: OpDecision, fake_mode) -> Any:
-    cast_vals = list(vals)
-    for i, dtype in decision.arg_casts.items():
-        cast_vals[i] = vals[i].to(dtype)
-    args, kwargs = pytree.tree_unflatten(cast_vals, pytree.tree_flatten((node.args, node.kwargs))[1])
-    if decision.set_dtype_kwarg:
-        kwargs = {**kwargs, "dtype": torch.float32}
-    with fake_mode, python_dispatcher():  # symbolic sizes decompose as when traced
-        return node.target(*args, **kwargs)
-
-
 class _UserAutocast:
     """Tracks the user's own `torch.autocast` regions (pre-dispatch keeps them as markers).
 
@@ -249,7 +239,7 @@ def _annotate_graph(gm: fx.GraphModule, config: AmpConfig, fake_mode,
         env[node] = decision.val
         if decision.restore_output is not None:
             with fake_mode:
-                env[node] = decision.val.to(decision.restore_output)
+                env[node] = traced_if_same(decision.val.to(decision.restore_output), node)
     return changed, None
 
 
@@ -275,9 +265,12 @@ def _node_decision(node, vals, config, fake_mode, user_autocast,
             or inputs_changed:
         try:
             with user_autocast.context() if region else contextlib.nullcontext():
-                decision.val = _run(node, vals, decision, fake_mode)
+                decision.val = run_with_casts(node, vals, decision.arg_casts,
+                                              decision.set_dtype_kwarg, fake_mode)
         except Exception as e:
             raise FxampError(f"annotate: {node.format_node()}") from e
+        if not decision.restore_output:
+            decision.val = traced_if_same(decision.val, node)
     else:
         decision.val = node.meta.get("val")
     return decision, 0

@@ -1,9 +1,10 @@
 """Tiny models, data and a training loop shared by the optimizer tests (imported by name:
 pytest puts this directory on sys.path).
 
-Each compiled optimizer compiles its own step (10-40 s cold on a 2-core CPU; one of the same
-structure and sizes takes the kernels from Inductor's cache); most tests run the same step
-functions eagerly (`compile=False`, milliseconds) and a few go through the compiler.
+The first compiled optimizer of a kind compiles its step (10-40 s cold on a 2-core CPU); every
+later one of the kind in the process reuses it, whatever its sizes (Note [One compiled step per
+kind]). Most tests run the same step functions eagerly (`compile=False`, milliseconds) and a
+few go through the compiler.
 """
 
 import torch

@@ -1,11 +1,13 @@
 """The compiled step: hyperparameter changes never recompile, and the graphs do not depend on
-the number of parameter tensors (on a GPU, no host synchronisation: tests/gpu/test_cuda_optim.py)."""
+the number of parameter tensors (on a GPU, no host synchronisation: tests/gpu/test_cuda_optim.py;
+one compile per kind, shared by every optimizer: test_compile_once.py)."""
 
 import pytest
 import torch
 from optim_helpers import make_mlp, train
 
 import fxamp.optim as fo
+from fxamp.optim.functional import fused_step
 
 
 def _compiles():
@@ -43,6 +45,7 @@ def test_graphs_do_not_grow_with_the_number_of_tensors():
     scaler = fo.LossScaler()
 
     def captured_ops(model):
+        fused_step.forget_compiled()  # each traces its own graphs, to compare them
         opt = fo.AdamW(model.parameters(), max_grad_norm=1.0)
         width = model[0].in_features
         scaler.scale(model(torch.randn(2, width)).square().sum()).backward()
@@ -51,8 +54,8 @@ def test_graphs_do_not_grow_with_the_number_of_tensors():
         assert len(opt.buckets) == 1
         return torch._dynamo.utils.counters["stats"]["calls_captured"] - before
 
-    # Each optimizer compiles its own step (Note [One compiled step per optimizer]); 4 or 300
-    # parameter tensors in one flat bucket make graphs of the same size.
+    # 4 or 300 parameter tensors in one flat bucket make graphs of the same size (and one
+    # kind: Note [One compiled step per kind]).
     assert captured_ops(_stack(2)) == captured_ops(_stack(150, width=32)) > 0
 
 
@@ -80,8 +83,8 @@ def _twelve_cases():
 
 def test_twelve_optimizers_and_their_loss_scalers_compile_in_one_process():
     # Dynamo's default recompile limit (8 per code object; an error under fullgraph=True) is
-    # never reached: each optimizer and each LossScaler compiles its own step
-    # (Note [One compiled step per optimizer]); every compiled step matches the eager one.
+    # never reached: each kind of step and of loss-scale update has a Dynamo cache of its own
+    # (Note [One compiled step per kind]); every compiled step matches the eager one.
     import copy
 
     for model, make, semantics in _twelve_cases():
@@ -107,8 +110,8 @@ def test_twelve_optimizers_and_their_loss_scalers_compile_in_one_process():
 
 
 def test_ten_loss_scalers_with_different_rules_update_in_one_process():
-    # Each LossScaler compiles its own standalone update (Note [One compiled step per
-    # optimizer]); ten rules would be ten entries on one shared function, past the limit of 8.
+    # Each kind of rule has its own compiled update (Note [One compiled step per kind]); ten
+    # rules would be ten entries on one shared function, past the limit of 8.
     rules = [dict(semantics=s, growth_interval=g) for s in ("apex", "torch", "deepspeed")
              for g in (1, 2, 3)] + [dict(semantics="apex", growth_interval=1, max_loss_scale=4.0)]
     overflows = [False, True, False, False, True, False, False]

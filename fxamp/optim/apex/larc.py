@@ -95,8 +95,11 @@ def apply_larc(opt: FusedOptimizer, settings: LARCSettings) -> None:
     opt.larc = settings
 
 
+@functools.lru_cache(maxsize=None)
 def larc_algorithm(inner: Algorithm, settings: LARCSettings) -> Algorithm:
-    """`inner` with Apex's LARC gradient rewrite in front and its weight decay set to 0."""
+    """`inner` with Apex's LARC gradient rewrite in front and its weight decay set to 0; the
+    same object for equal arguments, so that LARC optimizers of equal settings are one kind of
+    compiled step (Note [One compiled step per kind] in docs/design.md)."""
     return dataclasses.replace(
         inner, name=f"LARC({inner.name})", per_tensor_norms=True,
         coefs=functools.partial(_coefs, inner=inner.coefs, lr_col=inner.column("lr"),

@@ -16,9 +16,10 @@ from typing import Optional, Sequence
 import torch
 
 from fxamp.optim.buffers import state_buffers
-from fxamp.optim.buffers.bucket import Bucket
+from fxamp.optim.buffers.bucket import ALIGN, Bucket
 from fxamp.optim.buffers.flat import flatten_group
 from fxamp.optim.buffers.state_format import StateFormat
+from fxamp.optim.functional import codecs
 from fxamp.optim.functional.algorithms import Algorithm
 from fxamp.optim.functional.fused_step import BucketArgs
 
@@ -33,18 +34,28 @@ class BucketSlot:
         bucket: the flat buffers of one (param group, dtype).
         state: its optimizer states (and master kind, correction).
         aux: the rule's constants for it (`Algorithm.aux`: LAMB's chunk owners).
+        stream_keys: the keys of its random streams (`codecs.bucket_stream_keys`), int64 on
+            the device.
     """
 
     bucket: Bucket
     state: state_buffers.BucketState
     aux: tuple
+    stream_keys: torch.Tensor
 
     def update_args(self, grad: torch.Tensor) -> BucketArgs:
-        """What `fused_step.update` reads and writes of this bucket, stepping by `grad`."""
+        """What `fused_step.update` reads and writes of this bucket, stepping by `grad`: the
+        full-size buffers as [blocks, ALIGN] views (Note [Blocks of ALIGN in the compiled
+        update] in docs/design.md)."""
         b = self.bucket
-        return BucketArgs(self.state.weights(b), grad, self.state.states,
-                          None if b.master is None else b.param, b.group_index, self.aux,
-                          self.state.master)
+        states = tuple((_blocks(bufs[0]), *bufs[1:]) for bufs in self.state.states)
+        model = None if b.master is None else _blocks(b.param)
+        return BucketArgs(tuple(_blocks(w) for w in self.state.weights(b)), _blocks(grad),
+                          states, model, self.aux, self.state.master, self.stream_keys)
+
+
+def _blocks(flat: torch.Tensor) -> torch.Tensor:
+    return flat.view(-1, ALIGN)  # every bucket's size is a multiple of ALIGN (bucket.layout)
 
 
 def _hyper_tensor(rows: list[tuple], device: torch.device) -> torch.Tensor:
@@ -70,6 +81,8 @@ class DeviceState:
         self.hyper: Optional[torch.Tensor] = None
         self.step_count: Optional[torch.Tensor] = None
         self._hyper_seen: list[tuple] = []  # the rows as last sent to the device
+        self._max_norm: Optional[torch.Tensor] = None
+        self._max_norm_seen: Optional[float] = None
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -101,7 +114,10 @@ class DeviceState:
             if folding:
                 bucket.acc = torch.zeros(bucket.grad.shape, dtype=torch.float32,
                                          device=self.device)
-            self.slots.append(BucketSlot(bucket, state, algorithm.aux(bucket)))
+            keys = codecs.bucket_stream_keys(self.fmt.seed, len(self.slots),
+                                             len(algorithm.state_keys))
+            self.slots.append(BucketSlot(bucket, state, algorithm.aux(bucket),
+                                         torch.tensor(keys, dtype=torch.int64).to(self.device)))
         return list(buckets)
 
     def set_algorithm(self, algorithm: Algorithm) -> None:
@@ -121,6 +137,18 @@ class DeviceState:
                 elif type(old) is not float or value != old:
                     self.hyper[gi, k].fill_(value)
             self._hyper_seen[gi] = row
+
+    def max_norm(self, value: Optional[float]) -> Optional[torch.Tensor]:
+        """`max_grad_norm` as a 0-dim fp32 device tensor (a fill when it changed, so a new value
+        compiles nothing), or None when not clipping."""
+        if value is None:
+            return None
+        if self._max_norm is None:
+            self._max_norm = torch.full((), value, dtype=torch.float32, device=self.device)
+        elif value != self._max_norm_seen:
+            self._max_norm.fill_(value)
+        self._max_norm_seen = value
+        return self._max_norm
 
     def flat_params(self) -> list[torch.Tensor]:
         return [p for s in self.slots for p in s.bucket.params]

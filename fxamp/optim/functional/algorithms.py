@@ -149,8 +149,9 @@ def tensor_norms(x: Tensor, owner: Tensor, n_params: int) -> Tensor:
 
 
 def per_element(per_param: Tensor, owner: Tensor, x: Tensor) -> Tensor:
-    """`x` (flat) with each parameter's slice multiplied by its entry of `per_param`."""
-    return (per_param[owner][:, None] * x.view(-1, ALIGN)).view(-1)
+    """`x` (flat, or [blocks, ALIGN]) with each parameter's slice multiplied by its entry of
+    `per_param`."""
+    return (per_param[owner][:, None] * x.view(-1, ALIGN)).view(x.shape)
 
 
 def chunk_owners(bucket: Bucket) -> tuple[Tensor, int]:

@@ -13,14 +13,16 @@ Note [16-bit masters], Note [A codec the CPU runs fast].
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Optional, Sequence
 
 import torch
 
 from fxamp.optim.buffers.bucket import ALIGN
 
 __all__ = ["BLOCK", "new_state", "decode_state", "encode_state", "new_correction",
-           "decode_master", "encode_master", "random_bits", "master_stream", "state_stream"]
+           "decode_master", "encode_master", "random_bits", "stream_bits", "stream_key",
+           "bucket_stream_keys", "high_half", "state_half", "master_stream", "state_stream"]
 
 Tensor = torch.Tensor
 # Elements per scale of an 8-bit moment: the flat layout's alignment, so that a block never
@@ -47,8 +49,8 @@ def decode_state(bufs: tuple[Tensor, ...], unsigned: bool) -> Tensor:
     s = scale.float()[:, None]
     if unsigned:
         root = codes.float().view(-1, BLOCK) * (s * (1 / 255))
-        return root.square().view(-1)
-    return (_uncompand(codes.float().view(-1, BLOCK)) * s).view(-1)
+        return root.square().view(codes.shape)
+    return (_uncompand(codes.float().view(-1, BLOCK)) * s).view(codes.shape)
 
 
 def encode_state(x: Tensor, bufs: tuple[Tensor, ...], unsigned: bool,
@@ -75,7 +77,7 @@ def encode_state(x: Tensor, bufs: tuple[Tensor, ...], unsigned: bool,
         q = torch.where((q == 0) & (y > 0), 1.0, q)  # Note [8-bit moments]
     else:
         q = _round(254 * y / (1 + y.abs()), bits).clamp(-127, 127)
-    return q.view(-1), s.view(-1).to(torch.bfloat16)  # q: fp32 codes, exact integers
+    return q.view(x.shape), s.view(-1).to(torch.bfloat16)  # q: fp32 codes, exact integers
 
 
 def _uncompand(code: Tensor) -> Tensor:
@@ -191,12 +193,39 @@ def state_stream(bucket: int, state: int) -> int:
     return master_stream(bucket) + 2 + state
 
 
+def stream_key(seed: int, stream: int) -> int:
+    """The constant `stream_bits` mixes the step into: the stream's hash word under `seed`."""
+    return (seed * 0x85EBCA6B + (stream >> 1) * 0xC2B2AE35) & 0x7FFFFFFF
+
+
+def bucket_stream_keys(seed: int, bucket: int, n_states: int) -> list[int]:
+    """`stream_key` of bucket `bucket`'s master stream, then of each of its states' streams:
+    the bucket's row of keys, which the step reads from the device (the compiled update then
+    does not depend on the seed or the bucket's position)."""
+    streams = [master_stream(bucket)] + [state_stream(bucket, k) for k in range(n_states)]
+    return [stream_key(seed, s) for s in streams]
+
+
+def high_half(stream: int) -> bool:
+    """Whether `stream` takes the high 16 bits of its hash word."""
+    return bool(stream & 1)
+
+
+def state_half(state: int) -> bool:
+    """`high_half` of state `state`'s stream, the same in every bucket."""
+    return high_half(state_stream(0, state))
+
+
 def random_bits(numel: int, seed: int, step: Tensor, stream: int) -> Tensor:
     """16 random bits per element (int32 in [0, 2**16)), a pure function of (seed, step,
     stream, index); streams 2k and 2k + 1 are the low and high halves of one hash."""
-    word = stream >> 1
-    base = (seed * 0x85EBCA6B + word * 0xC2B2AE35) & 0x7FFFFFFF
-    key = _hash64((step.to(torch.int64) * 0x9E3779B1 + base) & 0xFFFFFFFF) & 0x7FFFFFFF
-    index = torch.arange(numel, dtype=torch.int32, device=step.device)
-    bits = _mix(index ^ key.to(torch.int32))
-    return (bits >> 16) & 0xFFFF if stream & 1 else bits & 0xFFFF
+    return stream_bits((numel,), stream_key(seed, stream), step, high_half(stream))
+
+
+def stream_bits(shape: Sequence[Any], key: Any, step: Tensor, high: bool) -> Tensor:
+    """`random_bits` of the stream whose `stream_key` is `key` (an int or an int64 0-dim
+    tensor, the same bits either way), shaped `shape` (the flat index runs row by row)."""
+    word = _hash64((step.to(torch.int64) * 0x9E3779B1 + key) & 0xFFFFFFFF) & 0x7FFFFFFF
+    index = torch.arange(math.prod(shape), dtype=torch.int32, device=step.device).view(shape)
+    bits = _mix(index ^ word.to(torch.int32))
+    return (bits >> 16) & 0xFFFF if high else bits & 0xFFFF

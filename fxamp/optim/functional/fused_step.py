@@ -1,12 +1,13 @@
-"""The fused mixed-precision step as two pure functions of flat tensors, compiled once each.
+"""The fused mixed-precision step as two pure functions of flat tensors, compiled once per kind.
 
 `prologue` reduces over the gradients once (overflow flag, the norm when clipping), advances the
-step count and the loss scale and turns the hyperparameters into a tensor of per-group scalars;
-`update` makes one elementwise pass over gradients, weights and states. A skipped step is a
-select inside `update`; each optimizer compiles its own copies (`compiled()`).
+step count and the loss scale and turns the hyperparameters into a row of per-step scalars for
+each bucket; `update` makes one elementwise pass over one bucket's gradients, weights and states.
+A skipped step is a select inside `update`. Every optimizer of the process shares the compiled
+functions (`compiled()`), one graph per kind of call, whatever the sizes.
 
 Design (docs/design.md): Note [Hoisting per-step scalars], Note [Skipping without a host read],
-Note [One compiled step per optimizer].
+Note [One compiled step per kind].
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from fxamp._compat import compile_fresh, fuse_unrelated_options, recompute_pointwise_options
+from fxamp._compat import fuse_unrelated_options, recompute_pointwise_options
 from fxamp.optim import distributed
 from fxamp.optim.functional import codecs
-from fxamp.optim.functional.scale_rule import ScaleRule, after_step, scale_is_valid
+from fxamp.optim.functional.kinds import CompiledPerKind
+from fxamp.optim.functional.scale_rule import (ScaleRule, after_step,
+                                               forget_compiled_update, scale_is_valid)
 
 __all__ = ["prologue", "update", "fold_grads", "gather_grads", "unscale_grads", "inverse",
-           "compiled", "eager", "StepFns", "StepState", "BucketArgs"]
+           "compiled", "forget_compiled", "eager", "StepFns", "StepState", "BucketArgs"]
 
 Tensor = torch.Tensor
 # Columns the prologue appends to every group's row of scalars.
@@ -42,15 +45,15 @@ def prologue(grads: Sequence[Tensor], state: StepState,
              scaler_state: Optional[tuple[Tensor, ...]],
              found_in: Optional[Tensor], *,
              coefs_fn: Callable[[Tensor, Tensor], Sequence[Tensor]], check: bool,
-             max_norm: Optional[float], rule: Optional[ScaleRule], group: Any = None,
+             max_norm: Optional[Tensor], rule: Optional[ScaleRule], group: Any = None,
              sharded: Sequence[bool] = ()) -> list[tuple[Tensor, ...]]:
     """Reductions and per-step scalars; returns, per group, the K + 3 scalars for `update`, each
     a 0-dim tensor (Note [One kernel for the per-step scalars]).
 
     `found_in` is an overflow already seen (by `fold_grads`); the scale update only runs for
-    `scaler_state`, whose scale the gradients carry. With a process `group`, the flag and the
-    norm of the `sharded` buckets are reduced over it (Note [Agreeing on overflow across ranks]
-    in distributed.py).
+    `scaler_state`, whose scale the gradients carry; `max_norm` (0-dim fp32) clips the norm.
+    With a process `group`, the flag and the norm of the `sharded` buckets are reduced over it
+    (Note [Agreeing on overflow across ranks] in distributed.py).
     """
     step = state.step
     found = torch.zeros((), dtype=torch.bool, device=step.device)
@@ -116,47 +119,46 @@ def _one_after(found: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 class BucketArgs(NamedTuple):
-    """What `update` reads and writes of one bucket."""
+    """What `update` reads and writes of one bucket: its full-size buffers as [blocks, ALIGN]
+    views (Note [Blocks of ALIGN in the compiled update]), per-block ones flat."""
 
     weights: tuple[Tensor, ...]  # the master or parameters (and a 16-bit master's correction)
     grad: Tensor
     states: tuple[tuple[Tensor, ...], ...]  # per state, one buffer or int8 codes and scales
     model: Optional[Tensor]  # the parameters, written from a separate master; else None
-    group: int  # the param group: its row of the prologue's scalars
     aux: tuple  # the rule's constants for this bucket (Algorithm.aux)
     master: str  # the weights' kind (codecs.decode_master)
+    stream_keys: Tensor  # int64: the master's and each state's codecs.stream_key
 
 
-def update(buckets: Sequence[BucketArgs], coefs: Sequence[Sequence[Tensor]], *,
-           update_fn: Callable,
-           unsigned: Sequence[bool], stochastic: Sequence[bool] = (), seed: int = 0) -> None:
-    """One elementwise pass per bucket: decode the weights and states, unscale and clip the
-    gradient, apply the rule, encode, select the old values when skipping, write the weights,
-    the states and the model copy.
+def update(bucket: BucketArgs, c: Sequence[Tensor], *, update_fn: Callable,
+           unsigned: Sequence[bool], stochastic: Sequence[bool] = ()) -> None:
+    """One elementwise pass over one bucket, `c` its group's scalars from the prologue (0-dim
+    tensors, indexed like a row): decode the weights and states, unscale and clip the gradient,
+    apply the rule, encode, select the old values when skipping, write the weights, the states
+    and the model copy.
 
-    A bucket's weights are decoded by its master kind (Note [16-bit masters] in docs/design.md);
+    The weights are decoded by their master kind (Note [16-bit masters] in docs/design.md);
     each state is a tuple of buffers (one, or int8 codes and scales, Note [8-bit moments]);
     `unsigned[k]` says whether state k is non-negative, `stochastic[k]` whether it is rounded
     stochastically (Note [Rounding compact moments stochastically] in docs/design.md).
     """
-    for i, (w, g, st, model, gi, ax, master) in enumerate(buckets):
-        c = coefs[gi]
-        skip = c[SKIP] != 0
-        new_w, new_st = update_fn(codecs.decode_master(w, master),
-                                  g.float() * c[GRAD_SCALE],
-                                  tuple(codecs.decode_state(s, u) for s, u in zip(st, unsigned)),
-                                  c, *ax)
+    w, g, st, model, ax, master, keys = bucket
+    skip = c[SKIP] != 0
+    new_w, new_st = update_fn(codecs.decode_master(w, master), g.float() * c[GRAD_SCALE],
+                              tuple(codecs.decode_state(s, u) for s, u in zip(st, unsigned)),
+                              c, *ax)
+    bits = None
+    if master == "stochastic":
+        bits = codecs.stream_bits(w[0].shape, keys[0], c[STEP], False)
+    _write(w, codecs.encode_master(new_w, w, master, bits), skip)
+    for k, (s, new, u) in enumerate(zip(st, new_st, unsigned)):
         bits = None
-        if master == "stochastic":
-            bits = codecs.random_bits(w[0].numel(), seed, c[STEP], codecs.master_stream(i))
-        _write(w, codecs.encode_master(new_w, w, master, bits), skip)
-        for k, (s, new, u) in enumerate(zip(st, new_st, unsigned)):
-            bits = None
-            if k < len(stochastic) and stochastic[k]:
-                bits = codecs.random_bits(new.numel(), seed, c[STEP], codecs.state_stream(i, k))
-            _write(s, codecs.encode_state(new, s, u, bits), skip)
-        if model is not None:
-            model.copy_(torch.where(skip, model, new_w.to(model.dtype)))
+        if k < len(stochastic) and stochastic[k]:
+            bits = codecs.stream_bits(new.shape, keys[1 + k], c[STEP], codecs.state_half(k))
+        _write(s, codecs.encode_state(new, s, u, bits), skip)
+    if model is not None:
+        model.copy_(torch.where(skip, model, new_w.to(model.dtype)))
 
 
 def _write(bufs: Sequence[Tensor], new: Sequence[Tensor], skip: Tensor) -> None:
@@ -230,8 +232,7 @@ _STEP_FNS = (prologue, update, fold_grads, gather_grads, unscale_grads)
 
 @dataclasses.dataclass(frozen=True)
 class StepFns:
-    """The step's functions for one optimizer, by name: compiled (`compiled()`) or plain
-    (`eager`)."""
+    """The step's functions by name: compiled (`compiled()`) or plain (`eager`)."""
 
     prologue: Callable[..., list[tuple[Tensor, ...]]]
     update: Callable[..., None]
@@ -240,15 +241,29 @@ class StepFns:
     unscale_grads: Callable[..., None]
 
 
-def compiled() -> StepFns:
-    """`prologue`, `update`, `fold_grads`, `gather_grads` and `unscale_grads` compiled for one
-    optimizer, with Dynamo caches of their own (Note [One compiled step per optimizer]); each
-    compiles when it is first called."""
-    options = {update: recompute_pointwise_options(),  # Note [A codec the CPU runs fast]
-               prologue: fuse_unrelated_options()}  # Note [One kernel for the per-step scalars]
-    return StepFns(**{fn.__name__: compile_fresh(fn, fullgraph=True, dynamic=False,
-                                                 options=options.get(fn))
-                      for fn in _STEP_FNS})
-
-
 eager = StepFns(**{fn.__name__: fn for fn in _STEP_FNS})
+
+
+def _compile_per_kind() -> StepFns:
+    options = {update: recompute_pointwise_options,  # Note [A codec the CPU runs fast]
+               prologue: fuse_unrelated_options}  # Note [One kernel for the per-step scalars]
+    return StepFns(**{fn.__name__: CompiledPerKind(fn, options.get(fn)) for fn in _STEP_FNS})
+
+
+_COMPILED = _compile_per_kind()
+
+
+def forget_compiled() -> None:
+    """Start new caches of compiled step functions and loss-scale updates: optimizers and
+    scalers built from now on compile their kinds again, as the first of a process would
+    (benchmarks of a cold compile); those built before keep theirs."""
+    global _COMPILED
+    _COMPILED = _compile_per_kind()
+    forget_compiled_update()
+
+
+def compiled() -> StepFns:
+    """`prologue`, `update`, `fold_grads`, `gather_grads` and `unscale_grads` compiled once per
+    kind of call and shared by every optimizer of the process (Note [One compiled step per
+    kind]); each kind compiles when it is first called."""
+    return _COMPILED

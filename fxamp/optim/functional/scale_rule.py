@@ -12,11 +12,12 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from fxamp import validation
-from fxamp._compat import compile_fresh
 from fxamp.errors import ConfigError
+from fxamp.optim.functional.kinds import CompiledPerKind
 
 __all__ = ["ScaleRule", "SEMANTICS", "UNSET", "DEFAULT_MIN_LOSS_SCALE", "build_rule",
            "next_scale_state", "after_step", "update_in_place", "compiled_update",
+           "forget_compiled_update",
            "check_scale_value", "check_new_scale", "check_growth_factor", "check_backoff_factor",
            "check_growth_interval", "scale_is_valid"]
 
@@ -58,7 +59,8 @@ UNSET: Any = object()  # an argument left out
 
 
 class ScaleRule(NamedTuple):
-    """How a dynamic scale moves; primitives only, so a compiled step specialises on its value."""
+    """How a dynamic scale moves; primitives only: in a compiled step its numbers are symbols,
+    its flags and which of them are None part of the graph's kind (kinds.py)."""
 
     dynamic: bool
     growth_factor: float
@@ -124,10 +126,20 @@ def update_in_place(state: tuple[torch.Tensor, ...], found_inf: torch.Tensor,
         dst.copy_(src)
 
 
-def compiled_update():
-    """`update_in_place` compiled for one LossScaler (Note [One compiled step per optimizer]
-    in docs/design.md)."""
-    return compile_fresh(update_in_place, fullgraph=True, dynamic=False)
+_COMPILED_UPDATE = CompiledPerKind(update_in_place)
+
+
+def compiled_update() -> CompiledPerKind:
+    """`update_in_place` compiled once per kind of rule (whether it is dynamic, capped,
+    consecutive; its numbers are symbols) and shared by every LossScaler of the process
+    (Note [One compiled step per kind] in docs/design.md)."""
+    return _COMPILED_UPDATE
+
+
+def forget_compiled_update() -> None:
+    """A new cache for `compiled_update` (fused_step.forget_compiled)."""
+    global _COMPILED_UPDATE
+    _COMPILED_UPDATE = CompiledPerKind(update_in_place)
 
 
 def build_rule(semantics: str, dynamic: bool, consecutive_hysteresis: bool,
