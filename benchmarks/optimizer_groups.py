@@ -152,6 +152,6 @@ def _time_group(group: dict, group_no: int, n: int, device, args, keep: dict) ->
             # what the launches are (the slowest KERNELS_KEPT by name) and their time in one
             # profiled step, for the kernel-count target
             "kernel_list": kernels[:KERNELS_KEPT],
-            "ready_s": round(b.ready_s, 2),
+            "ready_s": round(b.ready_s, 4),  # eager rows: milliseconds
             "group": group_no}
     return rows

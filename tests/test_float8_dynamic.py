@@ -181,22 +181,36 @@ def test_a_size_that_breaks_a_rule_recompiles_and_stays_named():
     assert not all(isinstance(d, int) for d in choices[1].shape)  # the dynamic graph
 
 
+# torch 2.11's C++ code generation has no emulate_precision_casts (its codegen/cpp.py never reads
+# it; 2.13's and 2.14.1's do): a kernel that casts fp32 to bf16 and on to float8 skips the bf16
+# rounding, so float8 codes near a rounding boundary flip and the output is off the recipe by
+# more than one bf16 rounding (docs/float8.md, "Known differences"; test_float8.py's torchao
+# comparison likewise). The float8 GEMMs and their symbolic shapes are still checked there.
+_OLD_INDUCTOR = torch.torch_version.TorchVersion(torch.__version__) < (2, 13)
+
+
 @pytest.mark.slow  # Inductor compiles the static and the dynamic graph: minutes on 2 cores
+@pytest.mark.xfail(_OLD_INDUCTOR, strict=True, raises=AssertionError,
+                   reason="torch 2.11's C++ kernels skip the bf16 rounding before float8")
 def test_inductor_runs_the_dynamic_float8_graph():
     model = _linear()
     fxamp.compile(model, opt_level="O1", float8="tensorwise",
                   options={"emulate_precision_casts": True})
+    checks = []  # (actual, reference, what): compared after the graphs' checks
     for x, y, g in _run(model, SHAPES, mark=False):
         xb, wb = x.detach().reshape(-1, 64).bfloat16(), model.weight.detach().bfloat16()
         out, gx, gw = _reference(xb, wb, g.reshape(-1, 64), "tensorwise")
-        _close(y.reshape(-1, 64), out, f"output at {tuple(x.shape)}")
-        _close(x.grad.reshape(-1, 64), gx, f"grad_input at {tuple(x.shape)}")
-        _close(model.weight.grad, gw, f"grad_weight at {tuple(x.shape)}")
+        at = tuple(x.shape)
+        checks += [(y.detach().reshape(-1, 64), out, f"output at {at}"),
+                   (x.grad.reshape(-1, 64), gx, f"grad_input at {at}"),
+                   (model.weight.grad.clone(), gw, f"grad_weight at {at}")]
     compiled = fxamp.backend_of(model).compiled_graphs
     assert [g.stats.float8_gemms for g in compiled] == [1, 1]
     choice = next(n.meta["fxamp_float8"] for n in compiled[-1].graph_module.graph.nodes
                   if "fxamp_float8" in n.meta)
     assert not isinstance(choice.shape[0], int)  # M is symbolic in the second graph
+    for actual, expected, what in checks:
+        _close(actual, expected, what)
 
 
 def test_gemm_flops_of_a_dynamic_graph_are_counted_at_the_traced_sizes():
