@@ -25,7 +25,10 @@ Compile time: the first step (Dynamo, fxamp's passes, AOTAutograd, Inductor, and
 optimizer step's compile) minus a steady step, each recipe in an empty Inductor cache
 (`torch._inductor.utils.fresh_cache`) and with fxamp's optimizer graphs forgotten
 (`fused_step.forget_compiled`), so none reuses kernels or graphs another one compiled (`--warm`
-keeps both; a second optimizer of a kind is `benchmarks.second_optimizer`).
+keeps both; a second optimizer of a kind is `benchmarks.second_optimizer`). With
+`--optimizer-in-cache` the model's graphs still compile in an empty cache but fxamp's optimizer
+graphs are found in it, as by every process after the first: its step does not depend on the
+model (compile_optimizer_kinds).
 
 # Note [Taking turns]
 On a shared 2-core VM a block of steps of one recipe ran 6 ms and the next block of the same
@@ -220,15 +223,18 @@ def first_step(recipe: Recipe, batch, device: torch.device) -> tuple[float, tupl
 
 
 def prepare(recipe: str, make_model, batch, dtype, device, *, warmup: int, cold: bool,
-            compiler: str = "inductor") -> Runner:
+            compiler: str = "inductor", optimizer_in_cache: bool = False) -> Runner:
     """Build a recipe, time its first step (the compiles) in an empty Inductor cache, warm it
     up, and measure its peak memory: what stays allocated plus one step's transient peak.
-    Cold, the recipe also compiles its optimizer's kinds as the first of a process would."""
+    Cold, the recipe also compiles its optimizer's kinds as the first of a process would; with
+    `optimizer_in_cache`, as a later process would, which finds them in Inductor's caches."""
     from torch._inductor.utils import fresh_cache
 
     if cold:  # nor an earlier recipe's optimizer graphs (Note [One compiled step per kind])
         fused_step.forget_compiled()
     with fresh_cache() if cold else contextlib.nullcontext():
+        if cold and optimizer_in_cache and recipe not in BASELINES:
+            compile_optimizer_kinds(recipe, make_model, dtype, device, compiler)
         built = build(recipe, make_model, dtype, device, compiler)
         first, parts = first_step(built, batch, device)
         for _ in range(warmup - 1):
@@ -236,6 +242,19 @@ def prepare(recipe: str, make_model, batch, dtype, device, *, warmup: int, cold:
     peak = persistent_bytes(built.model, built.opt) + transient_peak_bytes(built.step, batch,
                                                                            device)
     return Runner(recipe, built.step, first, peak, parts)
+
+
+def compile_optimizer_kinds(recipe: str, make_model, dtype, device, compiler: str) -> None:
+    """Step the recipe's optimizer once on a throwaway copy of the model (zero gradients, no
+    forward: the model's graphs are not compiled), then forget the compiled kinds: what is left
+    is what an earlier process leaves a new one, the optimizer's graphs and kernels in
+    Inductor's and AOTAutograd's caches, which the optimizer's step does not depend on the
+    model for (Note [One compiled step per kind] in docs/design.md)."""
+    throwaway = build(recipe, make_model, dtype, device, compiler)
+    for p in throwaway.model.parameters():
+        p.grad = torch.zeros_like(p)
+    throwaway.optimizer_step()
+    fused_step.forget_compiled()
 
 
 def interleaved_medians(runners: list[Runner], batch, device, steps: int) -> dict[str, float]:
@@ -295,7 +314,8 @@ def measure_model(name: str, work: Workload, device, dtype_name: str, args, *,
             start = time.perf_counter()
             runners.append(prepare(recipe, work.make_model, batch, DTYPES[dtype_name], device,
                                    warmup=args.warmup, cold=not args.warm,
-                                   compiler=args.compiler))
+                                   compiler=args.compiler,
+                                   optimizer_in_cache=args.optimizer_in_cache))
             slowest = max(slowest, time.perf_counter() - start)
             print(f"  {name:<7}{recipe:<10} first step {runners[-1].first_step_s:6.1f} s, peak "
                   f"{runners[-1].peak_bytes / 2**20:8.1f} MiB", flush=True)
@@ -342,6 +362,9 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
                         help="intra-op threads; default 1 on CPU (Note [One thread on CPU])")
     parser.add_argument("--warm", action="store_true",
                         help="compile with Inductor's usual caches instead of empty ones")
+    parser.add_argument("--optimizer-in-cache", action="store_true",
+                        help="cold, but fxamp's optimizer graphs found in Inductor's caches, as "
+                             "by any process after the first (they do not depend on the model)")
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager"],
                         help="aot_eager: no Inductor anywhere (a smoke test of this script)")
     parser.add_argument("--peak-tflops", type=float,
