@@ -1,8 +1,8 @@
 """Float8 GEMMs (docs/float8.md): numerics against a hand-written reference of each recipe and
 against torchao, the GEMMs reached (modules and functional calls), filters, explain(), refusals.
 
-Shapes are tiny multiples of 16; every model runs on the CPU, where torch._scaled_mm runs
-tensor-scaled GEMMs (and row-scaled ones from torch 2.13).
+Shapes are tiny multiples of 16; every model runs on the CPU, where float8 GEMMs take the
+emulated lowering (tests/test_float8_lowering.py compares it with torch._scaled_mm).
 """
 
 import copy
