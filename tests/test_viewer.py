@@ -230,3 +230,16 @@ def test_bad_overlay_arguments_are_refused(mlp_view):
         graph_view(report, overflow="matmul")
     with pytest.raises(ConfigError, match="plan= takes a fxamp.plan"):
         report.save("unused.json", plan={"fc1": "fp32"})
+
+
+@pytest.mark.parametrize("port", [0, 70000, -5, "8080", True])
+def test_show_refuses_a_bad_port_at_once(mlp_view, port):
+    # port 0 used to start a server on a random port and poll port 0 until the timeout
+    with pytest.raises(ConfigError, match=rf"port {port!r} is not one to serve on: pass one of "
+                                          r"1-65535, or port=None for a free one"):
+        mlp_view.view(port=port, wait=False, open_browser=False, timeout=5)
+
+
+def test_save_refuses_a_missing_directory(tmp_path, mlp_view):
+    with pytest.raises(ConfigError, match="there is no directory .*; create it first"):
+        mlp_view.save(str(tmp_path / "missing" / "v.json"))

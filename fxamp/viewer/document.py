@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import TYPE_CHECKING, Any, Optional
 
 from fxamp.debug.report import OverflowReport
@@ -19,6 +18,7 @@ from fxamp.planner.plan import PrecisionPlan
 from fxamp.viewer.graph import graph_json, legend
 from fxamp.viewer.overlays import (GraphIndex, Overlay, dtype_overlay, float8_scale_overlay,
                                    headroom_overlays, overflow_overlay, plan_overlays)
+from fxamp.viewer.saved import FORMAT_VERSION, check_writable, read_view
 
 from fxamp.viewer.server import Viewer, show
 
@@ -26,8 +26,6 @@ if TYPE_CHECKING:
     from fxamp.explain import Explanation
 
 __all__ = ["GraphView", "graph_view", "FORMAT_VERSION"]
-
-FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,25 +52,16 @@ class GraphView:
 
     def save(self, path: str) -> str:
         """Write the view to `path` (JSON); returns the absolute path."""
-        path = os.path.abspath(os.path.expanduser(path))
+        path = check_writable(path)
         with open(path, "w") as f:
             f.write(self.to_json())
         return path
 
     @classmethod
     def load(cls, path: str) -> "GraphView":
-        """A view `save()` wrote."""
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} is not a saved fxamp view: not JSON ({e})") from None
-        fxamp_part = data.get("fxamp") if isinstance(data, dict) else None
-        if not isinstance(fxamp_part, dict) or fxamp_part.get("version") != FORMAT_VERSION:
-            raise ConfigError(f"{path} is not a saved fxamp view (version {FORMAT_VERSION}): it "
-                              "has no 'fxamp': {'version': 1} entry; write one with "
-                              "fxamp.explain(...).save(path)")
-        return cls(data["label"], tuple(data["graphs"]), tuple(fxamp_part["overlays"]))
+        """A view `save()` wrote (ConfigError, naming the problem, for any other file)."""
+        data = read_view(path)
+        return cls(data["label"], tuple(data["graphs"]), tuple(data["fxamp"]["overlays"]))
 
     def view(self, **options: Any) -> Viewer:
         """Show it in Model Explorer (`fxamp.viewer.show`, which takes the options)."""
