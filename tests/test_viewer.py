@@ -1,6 +1,7 @@
 """The graph view's data: fxamp's graphs and measurements as Model Explorer JSON, without the
 viewer package (the browser tests are tests/test_viewer_browser.py)."""
 
+import colorsys
 import dataclasses
 import json
 import os
@@ -20,7 +21,7 @@ from fxamp.viewer.overlays import _plan_note
 from fxamp.viewer import GraphView, ViewerMissing, graph_view
 from fxamp.viewer import server as viewer_server
 from fxamp.viewer.graph import BOUNDARY_BORDER, CAST_BORDER, DTYPE_COLOURS
-from fxamp.viewer.overlays import GREEN, OVERFLOW, RED
+from fxamp.viewer.overlays import OVERFLOW, RED, WHITE
 
 
 def _attrs(node: dict) -> dict:
@@ -126,6 +127,54 @@ def test_headroom_is_65504_over_max_abs_red_at_overflow(overflow_views):
     assert 16 < ln1 < 65504  # a LayerNorm output of a few units
 
 
+def _hue_and_saturation(colour: str) -> tuple[float, float]:
+    h, _, s = colorsys.rgb_to_hls(*(int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)))
+    return h * 360, s
+
+
+def _overlay_colours(view: GraphView) -> set[str]:
+    # every colour an overlay paints but those showing a dtype ("runs in", "plan precision")
+    colours = set()
+    for o in view.overlays:
+        for data in o["nodeData"].values():
+            colours |= {t["bgColor"] for t in data.get("thresholds", ())}
+            if o["name"] not in ("runs in", "plan precision"):
+                colours |= {r["bgColor"] for r in data["results"].values() if "bgColor" in r}
+    return colours
+
+
+def test_no_overlay_paints_a_node_in_a_dtype_s_hue(overflow_views):
+    _, view = overflow_views
+    colours = _overlay_colours(view)
+    assert len(colours) == 3, colours  # headroom's three, the culprit's red among them
+    dtype_hues = [_hue_and_saturation(c)[0] for c in DTYPE_COLOURS.values()
+                  if _hue_and_saturation(c)[1] > 0.1]
+    for colour in colours:
+        hue, saturation = _hue_and_saturation(colour)
+        if saturation <= 0.1:  # a grey: only white, which no dtype is
+            assert colour == WHITE
+            continue
+        distance = min(min(abs(hue - h), 360 - abs(hue - h)) for h in dtype_hues)
+        assert distance >= 25, (colour, distance)
+
+
+def test_the_view_opens_on_the_dtypes(overflow_views):
+    # Model Explorer colours the graph by the last overlay: the dtypes, unless a
+    # locate_overflow report was given (then its culprit, test below)
+    model, (x, _) = planted_model()
+    view = fxamp.explain(model, x, dtype=torch.float16, ranges=True).graph_view()
+    assert [o["name"] for o in view.overlays] == ["fp16 headroom", "runs in"]
+
+
+def test_float8_purple_is_no_paler_than_the_other_dtypes():
+    # a pale lavender (#bcbddc) read as white but at high zoom
+    def lightness(colour):
+        return colorsys.rgb_to_hls(*(int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)))[1]
+
+    assert lightness(DTYPE_COLOURS["float8"]) <= min(
+        lightness(DTYPE_COLOURS[d]) for d in ("f32", "bf16", "f16"))
+
+
 def test_headroom_values_are_the_range_table_s():
     model, inputs = models.mlp()
     report = fxamp.explain(model, *inputs, opt_level="O1", ranges=True, backward=True)
@@ -172,7 +221,7 @@ def test_plan_overlays_match_gemms_by_module_op_and_rank(mlp_view):
         "linear_1": {"value": "fp32", "bgColor": DTYPE_COLOURS["f32"]}}
     errors = view.overlay("plan bf16 error")["forward 0"]
     assert errors["results"] == {"linear": {"value": 0.004}, "linear_1": {"value": 0.5}}
-    assert errors["thresholds"][0] == {"value": 0.1, "bgColor": GREEN}
+    assert errors["thresholds"][0] == {"value": 0.1, "bgColor": WHITE}
     assert view.overlay("plan modeled us")["forward 0"]["results"]["linear"] == {"value": 1.0}
 
 

@@ -80,14 +80,16 @@ def _add_notes(graphs: list[dict], overlays: list[Overlay]) -> None:
 
 def _overlays(report: "Explanation", index: GraphIndex, overflow: Optional[OverflowReport],
               plan: Optional[PrecisionPlan]) -> list[Overlay]:
-    # Model Explorer colours the graph by the last overlay: the most pressing one goes last.
-    overlays = [dtype_overlay(index)]
+    # Model Explorer colours the graph by the last overlay shown: the dtypes, which the graph
+    # is about, unless a locate_overflow report asks for its culprit.
+    overlays = []
     if plan is not None:
         overlays += plan_overlays(plan, index)
     if report.ranges is not None:
         if report.config.float8 is not None:
             overlays.append(float8_scale_overlay(report.ranges, index))
         overlays += headroom_overlays(report.ranges, index)[::-1]
+    overlays.append(dtype_overlay(index))
     if overflow is not None:
         overlays.append(overflow_overlay(overflow, index))
     return overlays

@@ -25,8 +25,9 @@ __all__ = ["DTYPE_COLOURS", "CAST_BORDER", "BOUNDARY_BORDER", "FLOAT8", "runs_in
            "namespace", "graph_json", "legend"]
 
 FLOAT8 = "float8"
-# Fill colours by the dtype a node runs in (ColorBrewer pastels: told apart in print too).
-DTYPE_COLOURS = {"f32": "#9ecae1", "bf16": "#a1d99b", "f16": "#fdae6b", FLOAT8: "#bcbddc",
+# Fill colours by the dtype a node runs in (ColorBrewer: told apart in print too; float8's
+# purple is a mid tone, as saturated as the others, since a pale lavender reads as white).
+DTYPE_COLOURS = {"f32": "#9ecae1", "bf16": "#a1d99b", "f16": "#fdae6b", FLOAT8: "#8c6bb1",
                  "f64": "#d9d9d9"}
 CAST_BORDER = "#d6007e"  # casts fxamp inserted
 BOUNDARY_BORDER = "#54278f"  # the model-boundary casts of fxamp.compile
