@@ -61,14 +61,14 @@ graph 'forward 0' groups {"fc1": {"module": "fc1", "class": "Linear"}, "fc2": {"
 {"id": "args_0", "label": "args_0", "ns": "fc1", "style": {"backgroundColor": "#9ecae1"}, "op": "placeholder", "runs in": "f32", "output": "f32[8,16]"}
 {"id": "fc2_weight", "label": "fc2_weight", "ns": "fc2", "style": {"backgroundColor": "#9ecae1"}, "op": "placeholder", "runs in": "f32", "output": "f32[4,32]"}
 {"id": "fc2_bias", "label": "fc2_bias", "ns": "fc2", "style": {"backgroundColor": "#9ecae1"}, "op": "placeholder", "runs in": "f32", "output": "f32[4]"}
-{"id": "args_0_bf16", "label": "args_0_bf16", "ns": "fc1", "in": ["args_0"], "style": {"backgroundColor": "#a1d99b", "borderColor": "#d6007e"}, "op": "aten._to_copy.default", "runs in": "bf16", "output": "bf16[8,16]", "inputs": "f32", "policy": "lower", "why": "lower input of linear", "fxamp": "cast inserted by fxamp", "module": "fc1 (Linear)", "source": "models.py:27"}
-{"id": "fc1_weight_bf16", "label": "fc1_weight_bf16", "ns": "fc1", "in": ["fc1_weight"], "style": {"backgroundColor": "#a1d99b", "borderColor": "#d6007e"}, "op": "aten._to_copy.default", "runs in": "bf16", "output": "bf16[32,16]", "inputs": "f32", "policy": "lower", "why": "lower input of linear", "fxamp": "cast inserted by fxamp", "module": "fc1 (Linear)", "source": "models.py:27"}
-{"id": "fc1_bias_bf16", "label": "fc1_bias_bf16", "ns": "fc1", "in": ["fc1_bias"], "style": {"backgroundColor": "#a1d99b", "borderColor": "#d6007e"}, "op": "aten._to_copy.default", "runs in": "bf16", "output": "bf16[32]", "inputs": "f32", "policy": "lower", "why": "lower input of linear", "fxamp": "cast inserted by fxamp", "module": "fc1 (Linear)", "source": "models.py:27"}
-{"id": "fc2_weight_bf16", "label": "fc2_weight_bf16", "ns": "fc2", "in": ["fc2_weight"], "style": {"backgroundColor": "#a1d99b", "borderColor": "#d6007e"}, "op": "aten._to_copy.default", "runs in": "bf16", "output": "bf16[4,32]", "inputs": "f32", "policy": "lower", "why": "lower input of linear_1", "fxamp": "cast inserted by fxamp", "module": "fc2 (Linear)", "source": "models.py:27"}
-{"id": "fc2_bias_bf16", "label": "fc2_bias_bf16", "ns": "fc2", "in": ["fc2_bias"], "style": {"backgroundColor": "#a1d99b", "borderColor": "#d6007e"}, "op": "aten._to_copy.default", "runs in": "bf16", "output": "bf16[4]", "inputs": "f32", "policy": "lower", "why": "lower input of linear_1", "fxamp": "cast inserted by fxamp", "module": "fc2 (Linear)", "source": "models.py:27"}
-{"id": "linear", "label": "linear", "ns": "fc1", "in": ["args_0_bf16", "fc1_weight_bf16", "fc1_bias_bf16"], "style": {"backgroundColor": "#a1d99b"}, "op": "aten.linear.default", "runs in": "bf16", "output": "bf16[8,32]", "inputs": "f32,f32,f32", "policy": "lower", "why": "torch-cpu table", "module": "fc1 (Linear)", "source": "models.py:27"}
-{"id": "relu", "label": "relu", "ns": "", "in": ["linear"], "style": {"backgroundColor": "#a1d99b"}, "op": "aten.relu.default", "runs in": "bf16", "output": "bf16[8,32]", "inputs": "bf16", "policy": "keep", "why": "not in the table: runs in its inputs' dtype", "source": "models.py:27"}
-{"id": "linear_1", "label": "linear", "ns": "fc2", "in": ["relu", "fc2_weight_bf16", "fc2_bias_bf16"], "style": {"backgroundColor": "#a1d99b"}, "op": "aten.linear.default", "runs in": "bf16", "output": "bf16[8,4]", "inputs": "bf16,f32,f32", "policy": "lower", "why": "torch-cpu table", "module": "fc2 (Linear)", "source": "models.py:27"}
+{"id": "args_0_bf16", "label": "args_0_bf16", "ns": "fc1", "in": ["args_0"], "style": {"backgroundColor": "#a1d99b", "borderColor": "#d6007e"}, "op": "aten._to_copy.default", "runs in": "bf16", "output": "bf16[8,16]", "input dtypes before fxamp's casts": "f32", "policy": "lower", "why": "lower input of linear", "fxamp": "cast inserted by fxamp", "module": "fc1 (Linear)", "source": "models.py:27"}
+{"id": "fc1_weight_bf16", "label": "fc1_weight_bf16", "ns": "fc1", "in": ["fc1_weight"], "style": {"backgroundColor": "#a1d99b", "borderColor": "#d6007e"}, "op": "aten._to_copy.default", "runs in": "bf16", "output": "bf16[32,16]", "input dtypes before fxamp's casts": "f32", "policy": "lower", "why": "lower input of linear", "fxamp": "cast inserted by fxamp", "module": "fc1 (Linear)", "source": "models.py:27"}
+{"id": "fc1_bias_bf16", "label": "fc1_bias_bf16", "ns": "fc1", "in": ["fc1_bias"], "style": {"backgroundColor": "#a1d99b", "borderColor": "#d6007e"}, "op": "aten._to_copy.default", "runs in": "bf16", "output": "bf16[32]", "input dtypes before fxamp's casts": "f32", "policy": "lower", "why": "lower input of linear", "fxamp": "cast inserted by fxamp", "module": "fc1 (Linear)", "source": "models.py:27"}
+{"id": "fc2_weight_bf16", "label": "fc2_weight_bf16", "ns": "fc2", "in": ["fc2_weight"], "style": {"backgroundColor": "#a1d99b", "borderColor": "#d6007e"}, "op": "aten._to_copy.default", "runs in": "bf16", "output": "bf16[4,32]", "input dtypes before fxamp's casts": "f32", "policy": "lower", "why": "lower input of linear_1", "fxamp": "cast inserted by fxamp", "module": "fc2 (Linear)", "source": "models.py:27"}
+{"id": "fc2_bias_bf16", "label": "fc2_bias_bf16", "ns": "fc2", "in": ["fc2_bias"], "style": {"backgroundColor": "#a1d99b", "borderColor": "#d6007e"}, "op": "aten._to_copy.default", "runs in": "bf16", "output": "bf16[4]", "input dtypes before fxamp's casts": "f32", "policy": "lower", "why": "lower input of linear_1", "fxamp": "cast inserted by fxamp", "module": "fc2 (Linear)", "source": "models.py:27"}
+{"id": "linear", "label": "linear (fc1)", "ns": "fc1", "in": ["args_0_bf16", "fc1_weight_bf16", "fc1_bias_bf16"], "style": {"backgroundColor": "#a1d99b"}, "op": "aten.linear.default", "runs in": "bf16", "output": "bf16[8,32]", "input dtypes before fxamp's casts": "f32,f32,f32", "policy": "lower", "why": "torch-cpu table", "module": "fc1 (Linear)", "source": "models.py:27"}
+{"id": "relu", "label": "relu", "ns": "", "in": ["linear"], "style": {"backgroundColor": "#a1d99b"}, "op": "aten.relu.default", "runs in": "bf16", "output": "bf16[8,32]", "input dtypes before fxamp's casts": "bf16", "policy": "keep", "why": "not in the table: runs in its inputs' dtype", "source": "models.py:27"}
+{"id": "linear_1", "label": "linear (fc2)", "ns": "fc2", "in": ["relu", "fc2_weight_bf16", "fc2_bias_bf16"], "style": {"backgroundColor": "#a1d99b"}, "op": "aten.linear.default", "runs in": "bf16", "output": "bf16[8,4]", "input dtypes before fxamp's casts": "bf16,f32,f32", "policy": "lower", "why": "torch-cpu table", "module": "fc2 (Linear)", "source": "models.py:27"}
 {"id": "output", "label": "output", "ns": "", "in": ["linear_1"], "op": "output", "runs in": "-", "output": "-"}
 overlay 'runs in': {"forward 0": {"results": {"fc1_weight": {"value": "f32", "bgColor": "#9ecae1"}, "fc1_bias": {"value": "f32", "bgColor": "#9ecae1"}, "args_0": {"value": "f32", "bgColor": "#9ecae1"}, "fc2_weight": {"value": "f32", "bgColor": "#9ecae1"}, "fc2_bias": {"value": "f32", "bgColor": "#9ecae1"}, "args_0_bf16": {"value": "bf16", "bgColor": "#a1d99b"}, "fc1_weight_bf16": {"value": "bf16", "bgColor": "#a1d99b"}, "fc1_bias_bf16": {"value": "bf16", "bgColor": "#a1d99b"}, "fc2_weight_bf16": {"value": "bf16", "bgColor": "#a1d99b"}, "fc2_bias_bf16": {"value": "bf16", "bgColor": "#a1d99b"}, "linear": {"value": "bf16", "bgColor": "#a1d99b"}, "relu": {"value": "bf16", "bgColor": "#a1d99b"}, "linear_1": {"value": "bf16", "bgColor": "#a1d99b"}}}}""")
 
@@ -91,6 +91,24 @@ def test_modules_become_nested_layers(overflow_views):
     assert groups["attn"] == {"module": "attn", "class": "Attention"}
     # a weight sits in the layer of the module that uses it, the batch at the top
     assert nodes["qkv_weight"]["namespace"] == "qkv"
+
+
+def test_ops_are_labelled_with_their_module_to_be_told_apart(overflow_views):
+    _, view = overflow_views
+    labels = {n["id"]: n["label"] for n in view.graphs[0]["nodes"]}
+    assert [labels[f"linear{s}"] for s in ("", "_1", "_2", "_3")] == [
+        "linear (qkv)", "linear (proj)", "linear (mlp.0)", "linear (mlp.2)"]
+    # two matmuls in one module: named by their nodes
+    assert (labels["matmul"], labels["matmul_1"]) == ("matmul (attn)", "matmul_1 (attn)")
+    assert labels["gelu"] == "gelu (mlp.1)" and labels["qkv_weight_f16"] == "qkv_weight_f16"
+    assert len(set(labels.values())) == len(labels)
+
+
+def test_the_side_panel_says_its_input_dtypes_are_before_the_casts(mlp_view):
+    # Model Explorer's own INPUTS section lists the tensors after them
+    linear = next(n for n in mlp_view.graphs[0]["nodes"] if n["id"] == "linear")
+    assert _attrs(linear)["input dtypes before fxamp's casts"] == "f32,f32,f32"
+    assert "inputs" not in _attrs(linear)
 
 
 def test_nodes_are_filled_by_dtype_and_casts_outlined(overflow_views):
