@@ -192,3 +192,10 @@ def test_explain_refuses_where_the_view_goes_before_the_model_runs(capsys, monke
     code, out, err = run_main(capsys, "explain", "examples.models:mlp", *args)
     assert (code, out) == (2, "")
     assert err.startswith(f"python -m fxamp: error: {message}") and err.count("\n") == 1
+
+
+def test_explain_view_without_model_explorer_fails_before_the_model_runs(capsys, monkeypatch):
+    monkeypatch.setattr(viewer_server.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(fxamp.cli, "load_target", _no_model)
+    code, _, err = run_main(capsys, "explain", "examples.models:mlp", "--view")
+    assert code == 2 and "fxamp's graph viewer needs Model Explorer" in err
