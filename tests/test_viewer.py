@@ -182,6 +182,9 @@ def test_the_view_opens_on_the_dtypes(overflow_views):
     model, (x, _) = planted_model()
     view = fxamp.explain(model, x, dtype=torch.float16, ranges=True).graph_view()
     assert [o["name"] for o in view.overlays] == ["fp16 headroom", "runs in"]
+    # and the graph's info panel says how to switch
+    assert "the one whose eye is open colours the graph" in view.graphs[0][
+        "groupNodeAttributes"][""]["overlays"]
 
 
 def test_float8_purple_is_no_paler_than_the_other_dtypes():

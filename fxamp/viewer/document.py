@@ -16,8 +16,9 @@ from fxamp.debug.report import OverflowReport
 from fxamp.errors import ConfigError
 from fxamp.planner.plan import PrecisionPlan
 from fxamp.viewer.graph import graph_json, legend
-from fxamp.viewer.overlays import (GraphIndex, Overlay, dtype_overlay, float8_scale_overlay,
-                                   headroom_overlays, overflow_overlay, plan_overlays)
+from fxamp.viewer.overlays import (LEGEND, GraphIndex, Overlay, dtype_overlay,
+                                   float8_scale_overlay, headroom_overlays, overflow_overlay,
+                                   plan_overlays)
 from fxamp.viewer.saved import FORMAT_VERSION, check_writable, read_view
 
 from fxamp.viewer.server import Viewer, show
@@ -109,6 +110,7 @@ def graph_view(report: "Explanation", *, overflow: Optional[OverflowReport] = No
     index = GraphIndex([g.graph_module for g in report.graphs], report.backward_graphs)
     overlays = _overlays(report, index, overflow, plan)
     info = {"fxamp": report.headline.replace("\n", " | "), "colours": legend(),
+            "overlays": LEGEND,
             **{o.name: o.info for o in overlays if o.info}}
     graphs = [g for i, cg in enumerate(report.graphs)
               for g in graph_json(cg.graph_module, f"forward {i}", info)]

@@ -29,11 +29,13 @@ from fxamp.provenance import module_of
 from fxamp.viewer.graph import DTYPE_COLOURS, FLOAT8, runs_in
 
 __all__ = ["Overlay", "GraphIndex", "dtype_overlay", "headroom_overlays", "overflow_overlay",
-           "plan_overlays", "float8_scale_overlay", "RED", "YELLOW", "WHITE", "OVERFLOW"]
+           "plan_overlays", "float8_scale_overlay", "RED", "YELLOW", "WHITE", "OVERFLOW", "LEGEND"]
 
 # An overlay's colours say how bad, in hues no dtype has (graph.DTYPE_COLOURS): a node coloured
 # by an overlay must never pass for one running in some dtype. Nothing to see is white.
 RED, YELLOW, WHITE = "#e31a1c", "#ffff33", "#ffffff"
+LEGEND = (f"node data providers (right): the one whose eye is open colours the graph, click "
+          f"another's to switch; red {RED}: bad, yellow {YELLOW}: close, white: nothing to see")
 OVERFLOW = "first inf or NaN"  # overlay names: no "/" (Model Explorer splits its sources on it)
 _ANY = 1e300  # the last threshold: every value at or below it (JSON has no infinity)
 _PRECISION_COLOURS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
