@@ -27,8 +27,7 @@ from typing import Any, Optional, Union
 from fxamp.errors import ConfigError
 
 __all__ = ["Viewer", "ViewerMissing", "serve", "show", "port_is_free", "check_port",
-           "check_installed",
-           "INSTALL_HINT", "HOST"]
+           "check_installed", "INSTALL_HINT", "HOST"]
 
 HOST = "127.0.0.1"
 INSTALL_HINT = ('pip install "fxamp[viewer]", or pip install -e ".[viewer]" in a checkout '
@@ -200,7 +199,8 @@ def show(view: Union[str, Any], *, port: Optional[int] = None, open_browser: boo
 
     Args:
         view: a `GraphView` (`explanation.view()` passes its own) or the path of a saved one.
-        port: the port to serve on; None picks a free one.
+        port: the port to serve on, 1-65535 (ConfigError at once for another or one in use);
+            None picks a free one.
         open_browser: open the page in the default web browser.
         wait: block until Ctrl+C, then stop the server (a script's use); False returns the
             running `Viewer` at once (a notebook's): stop it with `.stop()` or a `with` block.
