@@ -13,9 +13,9 @@ The same from the shell, straight from the factories below:
 
 In the page: layers (modules) unfold with a click, every node is filled with the colour of the
 dtype it runs in, fxamp's casts are outlined, and a node's side panel says which policy it got
-and why. The overlays (top right, "node data providers") colour the graph by what was
-measured: fp16 headroom (65504 / max|x|, red at overflow) and the op `locate_overflow` found.
-See docs/explain.md, "In a graph viewer".
+and why. The overlays (right, "node data providers") show what was measured: fp16 headroom
+(65504 / max|x|, red at overflow) and the op `locate_overflow` found; the one whose eye icon
+is open colours the graph. See docs/explain.md, "In a graph viewer".
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ from fxamp.errors import ConfigError, FxampError
 from fxamp.debug.locate import locate_overflow
 from fxamp.explain import explain
 from fxamp.policy import PRESETS
-from fxamp.viewer import GraphView, ViewerMissing, show
+from fxamp.viewer import ViewerMissing, show
+from fxamp.viewer.saved import check_writable, read_view
+from fxamp.viewer.server import check_installed, check_port
 
 __all__ = ["main", "build_parser", "load_target", "TargetError"]
 
@@ -168,10 +170,23 @@ def _show(view: Any, args: argparse.Namespace) -> str:
     return ""
 
 
+_FREE = "leave --port out"  # a free port, in the shell's words (the Python API's is port=None)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    # where the view goes, checked before the model runs: a typo costs no model setup
+    if args.save:
+        check_writable(args.save)
+    if args.view:
+        check_installed()
+        check_port(args.port, free=_FREE)
+
+
 def _run_explain(args: argparse.Namespace) -> str:
     if args.locate_overflow and not (args.view or args.save):
         raise TargetError("--locate-overflow marks the op in the graph view: add --view or "
                           "--save FILE")
+    _check_outputs(args)
     config = _config(args)  # before importing TARGET: a typo fails fast, not after model setup
     model, inputs = load_target(args.target)
     report = explain(model, *inputs, config=config, backward=args.backward,
@@ -185,11 +200,10 @@ def _run_explain(args: argparse.Namespace) -> str:
 
 
 def _run_view(args: argparse.Namespace) -> str:
-    try:
-        view = GraphView.load(args.file)
-    except OSError as e:
-        raise ConfigError(f"cannot read {args.file!r}: {e.strerror}") from None
-    return _show(view, args)
+    read_view(args.file)
+    check_installed()
+    check_port(args.port, free=_FREE)
+    return _show(args.file, args)
 
 
 def _refusal(error: BaseException) -> Optional[FxampError]:

@@ -1,6 +1,7 @@
 """`python -m fxamp explain`: end to end in a subprocess, error paths in-process (faster)."""
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import fxamp
+import fxamp.cli
 from examples import models
 from fxamp.cli import main
 from fxamp.viewer import GraphView
@@ -124,7 +126,76 @@ def test_view_without_model_explorer_says_how_to_install(capsys, monkeypatch, tm
     code, out, err = run_main(capsys, "view", path)
     assert (code, out) == (2, "")
     assert err == ("python -m fxamp: error: fxamp's graph viewer needs Model Explorer: pip "
-                   'install "fxamp[viewer]" (Model Explorer, the package ai-edge-model-explorer)'
-                   "; .save(path) writes the same view without it\n")
+                   'install "fxamp[viewer]", or pip install -e ".[viewer]" in a checkout (Model '
+                   "Explorer, the package ai-edge-model-explorer); .save(path) writes the same "
+                   "view without it\n")
     code, _, err = run_main(capsys, "view", str(tmp_path / "missing.json"))
     assert code == 2 and "cannot read" in err and "No such file" in err
+
+
+@pytest.fixture(scope="module")
+def saved_mlp(tmp_path_factory):
+    model, inputs = models.mlp()
+    return fxamp.explain(model, *inputs).save(str(tmp_path_factory.mktemp("view") / "mlp.json"))
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\x89PNG\r\n", "is not a saved fxamp view: not text (a binary file?); write one with"),
+    (b'{"fxamp": {"version": 1}}', "is not a complete fxamp view: label, graphs, "
+                                  "fxamp.overlays missing or malformed"),
+    (b'{"fxamp": {"version": 2}, "label": "x", "graphs": []}',
+     "was saved by a newer fxamp (view format 2; this one reads 1): upgrade fxamp"),
+    (b'{"label": "x", "graphs": []}', "it has no 'fxamp': {'version': 1} entry; write one"),
+    (b"[1, 2]", "its JSON is a list, not an object"),
+])
+def test_view_of_a_bad_file_exits_2_with_one_line(capsys, tmp_path, content, message):
+    path = tmp_path / "x.json"
+    path.write_bytes(content)
+    code, out, err = run_main(capsys, "view", str(path))
+    assert (code, out) == (2, "")
+    assert err.startswith(f"python -m fxamp: error: {path} ") and message in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("port", ["70000", "-5", "0"])
+def test_view_on_a_bad_port_exits_2_with_one_line(capsys, saved_mlp, port):
+    code, out, err = run_main(capsys, "view", saved_mlp, f"--port={port}")
+    assert (code, out) == (2, "")
+    assert err == (f"python -m fxamp: error: port {port} is not one to serve on: pass one of "
+                   "1-65535, or leave --port out for a free one\n")
+
+
+def test_view_on_a_port_in_use_says_how_to_get_a_free_one(capsys, saved_mlp):
+    with socket.socket() as s:
+        s.bind((viewer_server.HOST, 0))
+        s.listen()
+        port = s.getsockname()[1]
+        code, _, err = run_main(capsys, "view", saved_mlp, "--port", str(port))
+    assert code == 2
+    assert err == (f"python -m fxamp: error: port {port} on 127.0.0.1 is in use: pass another, "
+                   "or leave --port out for a free one\n")
+
+
+def _no_model(spec):
+    raise AssertionError(f"the model {spec} ran before the bad option was refused")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--save", "/no-such-dir/x.json"], "cannot save the view to '/no-such-dir/x.json': there "
+                                        "is no directory '/no-such-dir'; create it first"),
+    (["--save", "."], "cannot save the view to '.': it is a directory; name a file in it"),
+    (["--view", "--port", "70000"], "port 70000 is not one to serve on"),
+])
+def test_explain_refuses_where_the_view_goes_before_the_model_runs(capsys, monkeypatch, args,
+                                                                    message):
+    monkeypatch.setattr(fxamp.cli, "load_target", _no_model)
+    code, out, err = run_main(capsys, "explain", "examples.models:mlp", *args)
+    assert (code, out) == (2, "")
+    assert err.startswith(f"python -m fxamp: error: {message}") and err.count("\n") == 1
+
+
+def test_explain_view_without_model_explorer_fails_before_the_model_runs(capsys, monkeypatch):
+    monkeypatch.setattr(viewer_server.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(fxamp.cli, "load_target", _no_model)
+    code, _, err = run_main(capsys, "explain", "examples.models:mlp", "--view")
+    assert code == 2 and "fxamp's graph viewer needs Model Explorer" in err

@@ -26,7 +26,7 @@ import fxamp
 from browser import Browser, chromium
 from examples.debug_overflow import planted_model
 from fxamp.viewer.graph import DTYPE_COLOURS
-from fxamp.viewer.overlays import OVERFLOW, RED
+from fxamp.viewer.overlays import OVERFLOW, RED, WHITE, YELLOW
 from fxamp.viewer.server import port_is_free
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,6 +45,11 @@ _TABLES = """[...document.querySelectorAll('node-data-provider-summary-panel tab
              [...t.querySelectorAll('tbody tr')].map(r => [...r.children].map(
                  td => [td.innerText.trim(), getComputedStyle(td).backgroundColor]))])"""
 _EXPAND_ALL = "document.querySelector('.mat-icon-container.expand-all').click()"
+# The node data providers' list: the overlay whose eye is open colours the graph.
+_SHOWN = "document.querySelector('.index-row.selected .run-name').innerText.trim()"
+_EYE = """[...document.querySelectorAll('.index-row')].find(
+  row => row.querySelector('.run-name').innerText.trim() == NAME)
+  .querySelector('.icon-container.visibility').click()"""
 
 
 def _rgb(hex_colour: str) -> str:
@@ -105,12 +110,21 @@ def _tiny_gpt2():
 
 @pytest.fixture(scope="module")
 def transformer(browser):
+    # the docs' headline call: explain(..., ranges=True).view()
     model, ids = _tiny_gpt2()
-    view = fxamp.explain(model, ids, opt_level="O1").graph_view()
+    view = fxamp.explain(model, ids, opt_level="O1", ranges=True).graph_view()
     viewer, page = _open(browser, view)
     yield view, viewer, page
     viewer.stop()
     assert port_is_free(viewer.port)
+
+
+def _ops(table: dict) -> dict[str, list]:
+    # {op: rows} of a node data table keyed by label ("addmm (transformer.h.0.attn.c_attn)")
+    ops: dict = {}
+    for label, rows in table.items():
+        ops.setdefault(label.split(" ")[0], []).extend(rows)
+    return ops
 
 
 def test_transformer_nodes_and_layers_are_on_the_page(transformer):
@@ -121,20 +135,45 @@ def test_transformer_nodes_and_layers_are_on_the_page(transformer):
     assert "fxamp O1 | dtype bf16" in text
     table = _node_data(page)
     assert len(table) > 10 and set(table) <= {n["label"] for n in nodes}
-    assert set(_node_data(page, "^layer_norm")) == {"layer_norm"}
+    assert set(_node_data(page, "^layer_norm ")) == {
+        f"layer_norm (transformer.{m})" for m in ("h.0.ln_1", "h.0.ln_2", "h.1.ln_1",
+                                                  "h.1.ln_2", "ln_f")}
     assert "transformer" in text and "lm_head" in text  # GPT2LMHeadModel's top layers
 
 
-def test_transformer_nodes_have_their_dtype_colours(transformer):
+def test_a_layer_s_ops_are_found_by_its_module_path(transformer):
+    _, _, page = transformer
+    # every GEMM a label of its own; casts ("why: lower input of addmm") are not found
+    assert list(_node_data(page, r"^addmm \(transformer\.h\.1\.attn\.c_attn\)$")) == [
+        "addmm (transformer.h.1.attn.c_attn)"]
+    gemms = _node_data(page, "^addmm ")
+    assert len(gemms) == 8 and all(len(rows) == 1 for rows in gemms.values())
+
+
+def test_transformer_opens_on_its_dtype_colours(transformer):
     view, _, page = transformer
-    table = _node_data(page, "^(addmm|layer_norm|softmax)$")
-    gemms = [row["runs in"] for row in table["addmm"]]  # GPT-2's Conv1D layers
+    assert view.overlays[-1]["name"] == "runs in"  # the last overlay colours the graph
+    ops = _ops(_node_data(page, "^(addmm|layer_norm|softmax) "))
+    gemms = [row["runs in"] for row in ops["addmm"]]  # GPT-2's Conv1D layers
     assert len(gemms) == 8 and set(gemms) == {("bf16", _rgb(DTYPE_COLOURS["bf16"]))}
-    norms = [row["runs in"] for row in table["layer_norm"]]  # fp32 in the CPU table
+    norms = [row["runs in"] for row in ops["layer_norm"]]  # fp32 in the CPU table
     assert len(norms) == 5 and set(norms) == {("f32", _rgb(DTYPE_COLOURS["f32"]))}
+    assert page.evaluate(_SHOWN) == "runs in"  # its eye is the open one
     shot = _screenshot(page, "explain_viewer_transformer.png")
     counts = page.count_colours(shot, [DTYPE_COLOURS["bf16"], DTYPE_COLOURS["f32"]])
     assert all(n > 500 for n in counts.values()), counts  # filled nodes on the graph
+
+
+def test_the_eye_icon_switches_the_graph_to_an_overlay_in_no_dtype_s_hue(transformer):
+    _, _, page = transformer
+    page.evaluate(_EYE.replace("NAME", json.dumps("fp16 headroom")))
+    try:
+        page.wait_for(f"{_SHOWN} == 'fp16 headroom'", timeout=10)
+        rows = [r for rs in _node_data(page, "^(addmm|layer_norm) ").values() for r in rs]
+        assert len(rows) == 13
+        assert {r["fp16 headroom"][1] for r in rows} <= {_rgb(c) for c in (RED, YELLOW, WHITE)}
+    finally:
+        page.evaluate(_EYE.replace("NAME", json.dumps("runs in")))
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +192,8 @@ def test_overflow_overlay_is_on_the_page(overflow):
     located, _, page = overflow
     text = page.text()
     assert OVERFLOW in text and "fp16 headroom" in text  # the node data providers
-    table = _node_data(page, "^matmul$")
-    culprit = table["matmul"][0]
+    table = _node_data(page, r"^matmul \(attn\)$")
+    culprit = table["matmul (attn)"][0]
     assert culprit[OVERFLOW] == ("here", _rgb(RED))
     assert culprit["fp16 headroom"] == ("0", _rgb(RED))
     assert located.site.source_node == "matmul"

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import TYPE_CHECKING, Any, Optional
 
 from fxamp.debug.report import OverflowReport
 from fxamp.errors import ConfigError
 from fxamp.planner.plan import PrecisionPlan
 from fxamp.viewer.graph import graph_json, legend
-from fxamp.viewer.overlays import (GraphIndex, Overlay, dtype_overlay, float8_scale_overlay,
-                                   headroom_overlays, overflow_overlay, plan_overlays)
+from fxamp.viewer.overlays import (LEGEND, GraphIndex, Overlay, dtype_overlay,
+                                   float8_scale_overlay, headroom_overlays, overflow_overlay,
+                                   plan_overlays)
+from fxamp.viewer.saved import FORMAT_VERSION, check_writable, read_view
 
 from fxamp.viewer.server import Viewer, show
 
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
     from fxamp.explain import Explanation
 
 __all__ = ["GraphView", "graph_view", "FORMAT_VERSION"]
-
-FORMAT_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,25 +53,16 @@ class GraphView:
 
     def save(self, path: str) -> str:
         """Write the view to `path` (JSON); returns the absolute path."""
-        path = os.path.abspath(os.path.expanduser(path))
+        path = check_writable(path)
         with open(path, "w") as f:
             f.write(self.to_json())
         return path
 
     @classmethod
     def load(cls, path: str) -> "GraphView":
-        """A view `save()` wrote."""
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path} is not a saved fxamp view: not JSON ({e})") from None
-        fxamp_part = data.get("fxamp") if isinstance(data, dict) else None
-        if not isinstance(fxamp_part, dict) or fxamp_part.get("version") != FORMAT_VERSION:
-            raise ConfigError(f"{path} is not a saved fxamp view (version {FORMAT_VERSION}): it "
-                              "has no 'fxamp': {'version': 1} entry; write one with "
-                              "fxamp.explain(...).save(path)")
-        return cls(data["label"], tuple(data["graphs"]), tuple(fxamp_part["overlays"]))
+        """A view `save()` wrote (ConfigError, naming the problem, for any other file)."""
+        data = read_view(path)
+        return cls(data["label"], tuple(data["graphs"]), tuple(data["fxamp"]["overlays"]))
 
     def view(self, **options: Any) -> Viewer:
         """Show it in Model Explorer (`fxamp.viewer.show`, which takes the options)."""
@@ -91,14 +81,16 @@ def _add_notes(graphs: list[dict], overlays: list[Overlay]) -> None:
 
 def _overlays(report: "Explanation", index: GraphIndex, overflow: Optional[OverflowReport],
               plan: Optional[PrecisionPlan]) -> list[Overlay]:
-    # Model Explorer colours the graph by the last overlay: the most pressing one goes last.
-    overlays = [dtype_overlay(index)]
+    # Model Explorer colours the graph by the last overlay shown: the dtypes, which the graph
+    # is about, unless a locate_overflow report asks for its culprit.
+    overlays = []
     if plan is not None:
         overlays += plan_overlays(plan, index)
     if report.ranges is not None:
         if report.config.float8 is not None:
             overlays.append(float8_scale_overlay(report.ranges, index))
         overlays += headroom_overlays(report.ranges, index)[::-1]
+    overlays.append(dtype_overlay(index))
     if overflow is not None:
         overlays.append(overflow_overlay(overflow, index))
     return overlays
@@ -118,6 +110,7 @@ def graph_view(report: "Explanation", *, overflow: Optional[OverflowReport] = No
     index = GraphIndex([g.graph_module for g in report.graphs], report.backward_graphs)
     overlays = _overlays(report, index, overflow, plan)
     info = {"fxamp": report.headline.replace("\n", " | "), "colours": legend(),
+            "overlays": LEGEND,
             **{o.name: o.info for o in overlays if o.info}}
     graphs = [g for i, cg in enumerate(report.graphs)
               for g in graph_json(cg.graph_module, f"forward {i}", info)]

@@ -25,8 +25,9 @@ __all__ = ["DTYPE_COLOURS", "CAST_BORDER", "BOUNDARY_BORDER", "FLOAT8", "runs_in
            "namespace", "graph_json", "legend"]
 
 FLOAT8 = "float8"
-# Fill colours by the dtype a node runs in (ColorBrewer pastels: told apart in print too).
-DTYPE_COLOURS = {"f32": "#9ecae1", "bf16": "#a1d99b", "f16": "#fdae6b", FLOAT8: "#bcbddc",
+# Fill colours by the dtype a node runs in (ColorBrewer: told apart in print too; float8's
+# purple is a mid tone, as saturated as the others, since a pale lavender reads as white).
+DTYPE_COLOURS = {"f32": "#9ecae1", "bf16": "#a1d99b", "f16": "#fdae6b", FLOAT8: "#8c6bb1",
                  "f64": "#d9d9d9"}
 CAST_BORDER = "#d6007e"  # casts fxamp inserted
 BOUNDARY_BORDER = "#54278f"  # the model-boundary casts of fxamp.compile
@@ -78,20 +79,42 @@ def _common(namespaces: Iterable[str]) -> str:
     return "/".join(common)
 
 
-def _label(node: fx.Node) -> str:
+def _op_name(node: fx.Node) -> str:
+    if is_float8_gemm(node):
+        return node.meta[FLOAT8_META].op
+    target = node.target
+    name = str(target) if isinstance(target, OpOverload) else getattr(target, "__name__",
+                                                                        str(target))
+    return name.replace("aten.", "").replace(".default", "")
+
+
+def _label(node: fx.Node, name: Optional[str] = None) -> str:
+    """What Model Explorer shows and searches: an op is named with its module path, so that a
+    model's thirteen Linears are told apart in the node table ("linear (encoder.layer.0...)");
+    `name` replaces the op's (by its node's) where that is not enough."""
     decision = node.meta.get(FXAMP_META)
     if decision is not None and decision.inserted:
         return node.name  # named after what it casts and to which dtype: "fc1_weight_bf16"
     if decision is not None and decision.boundary:
         return f"boundary cast to {runs_in(node) or '-'}"
-    if is_float8_gemm(node):
-        return f"{node.meta[FLOAT8_META].op} (float8)"
     if node.op in ("placeholder", "output"):
         return node.name if node.op == "placeholder" else "output"
-    target = node.target
-    name = str(target) if isinstance(target, OpOverload) else getattr(target, "__name__",
-                                                                        str(target))
-    return name.replace("aten.", "").replace(".default", "")
+    notes = ["float8"] if is_float8_gemm(node) else []
+    layers = _layers(node)
+    if layers:
+        notes.append(layers[-1][1])
+    label = name or _op_name(node)
+    return f"{label} ({', '.join(notes)})" if notes else label
+
+
+def _labels(nodes: list[fx.Node]) -> dict[fx.Node, str]:
+    # an op that occurs twice in one module (attention's two matmuls) is named by its node
+    labels = {n: _label(n) for n in nodes}
+    counts: dict[str, int] = {}
+    for label in labels.values():
+        counts[label] = counts.get(label, 0) + 1
+    return {n: _label(n, n.name) if counts[label] > 1 and n.op == "call_function" else label
+            for n, label in labels.items()}
 
 
 def _type_of(val: Any) -> str:
@@ -106,7 +129,7 @@ def _attrs(node: fx.Node) -> list[dict[str, str]]:
              "output": ", ".join(_type_of(t) for t in _tensors(node.meta.get("val"))) or "-"}
     decision = node.meta.get(FXAMP_META)
     if decision is not None:
-        attrs["inputs"] = ",".join(short_dtype(d) for d in decision.input_dtypes
+        attrs["input dtypes before fxamp's casts"] = ",".join(short_dtype(d) for d in decision.input_dtypes
                                    if d is not None) or "-"
         attrs["policy"] = decision.policy.value
         attrs["why"] = decision.reason
@@ -146,10 +169,11 @@ def _bodies(gm: fx.GraphModule, node: fx.Node) -> list[str]:
             and a.op == "get_attr" and isinstance(getattr(gm, a.target, None), fx.GraphModule)]
 
 
-def _node_json(gm: fx.GraphModule, node: fx.Node, graph_id: str, ns: str) -> dict[str, Any]:
+def _node_json(gm: fx.GraphModule, node: fx.Node, graph_id: str, ns: str,
+               label: str) -> dict[str, Any]:
     shown = [n for n in node.all_input_nodes if not _is_body(gm, n)]
     out: dict[str, Any] = {
-        "id": node.name, "label": _label(node), "namespace": ns, "attrs": _attrs(node),
+        "id": node.name, "label": label, "namespace": ns, "attrs": _attrs(node),
         "incomingEdges": [{"sourceNodeId": n.name, "sourceNodeOutputId": "0",
                            "targetNodeInputId": str(i)} for i, n in enumerate(shown)],
         "outputsMetadata": [{"id": str(i), "attrs": [{"key": "tensor_shape",
@@ -194,8 +218,8 @@ def graph_json(gm: fx.GraphModule, graph_id: str,
     the op's node as a subgraph, id "<graph_id>/<body>"). `info` is shown when no node is
     selected."""
     spaces = _namespaces(gm)
-    nodes = [_node_json(gm, n, graph_id, spaces[n]) for n in gm.graph.nodes
-             if not _is_body(gm, n)]
+    labels = _labels([n for n in gm.graph.nodes if not _is_body(gm, n)])
+    nodes = [_node_json(gm, n, graph_id, spaces[n], label) for n, label in labels.items()]
     groups = {"": dict(info or {}), **_group_attrs(gm)}
     graphs = [{"id": graph_id, "nodes": nodes, "groupNodeAttributes": groups}]
     for node in gm.graph.nodes:

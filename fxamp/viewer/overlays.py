@@ -29,9 +29,13 @@ from fxamp.provenance import module_of
 from fxamp.viewer.graph import DTYPE_COLOURS, FLOAT8, runs_in
 
 __all__ = ["Overlay", "GraphIndex", "dtype_overlay", "headroom_overlays", "overflow_overlay",
-           "plan_overlays", "float8_scale_overlay", "RED", "AMBER", "GREEN", "OVERFLOW"]
+           "plan_overlays", "float8_scale_overlay", "RED", "YELLOW", "WHITE", "OVERFLOW", "LEGEND"]
 
-RED, AMBER, GREEN = "#e31a1c", "#fd8d3c", "#c7e9c0"
+# An overlay's colours say how bad, in hues no dtype has (graph.DTYPE_COLOURS): a node coloured
+# by an overlay must never pass for one running in some dtype. Nothing to see is white.
+RED, YELLOW, WHITE = "#e31a1c", "#ffff33", "#ffffff"
+LEGEND = (f"node data providers (right): the one whose eye is open colours the graph, click "
+          f"another's to switch; red {RED}: bad, yellow {YELLOW}: close, white: nothing to see")
 OVERFLOW = "first inf or NaN"  # overlay names: no "/" (Model Explorer splits its sources on it)
 _ANY = 1e300  # the last threshold: every value at or below it (JSON has no infinity)
 _PRECISION_COLOURS = {"fp32": "f32", "bf16": "bf16", "fp16": "f16"}
@@ -114,7 +118,7 @@ def _headroom(max_abs: float, nonfinite: bool) -> Optional[float]:
     return None if max_abs == 0 else _num(FP16_MAX / max_abs)
 
 
-_HEADROOM_THRESHOLDS = ((1.0, RED), (16.0, AMBER), (_ANY, GREEN))
+_HEADROOM_THRESHOLDS = ((1.0, RED), (16.0, YELLOW), (_ANY, WHITE))
 
 
 def _headroom_overlay(name: str, worst: dict, index: GraphIndex, what: str) -> Overlay:
@@ -133,7 +137,8 @@ def _headroom_overlay(name: str, worst: dict, index: GraphIndex, what: str) -> O
 
 def headroom_overlays(table: RangeTable, index: GraphIndex) -> list[Overlay]:
     """fp16 headroom of each op's output (its last value in the forward) and of the gradients
-    its backward computes (the largest), red at or above 65504, amber within 16x of it.
+    its backward computes (the largest): red at or above 65504, yellow within 16x of it, white
+    further.
 
     A float8 GEMM's backward is left out: it scales its operands to the float8 range on
     purpose, which is no fp16 risk."""
@@ -228,7 +233,7 @@ def plan_overlays(plan: PrecisionPlan, index: GraphIndex) -> list[Overlay]:
         if s.time(s.precision) is not None:
             _put(times, gid, node.name, {"value": _num(s.time(s.precision) * 1e6)})
         _put(notes, gid, node.name, _plan_note(s))
-    budget = ((plan.error_budget, GREEN), (_ANY, RED))
+    budget = ((plan.error_budget, WHITE), (_ANY, RED))
     return [Overlay("plan precision", chosen, notes=notes),
             Overlay(f"plan {plan.dtype} error", errors, budget),
             Overlay("plan modeled us", times)]

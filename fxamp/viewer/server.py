@@ -26,11 +26,13 @@ from typing import Any, Optional, Union
 
 from fxamp.errors import ConfigError
 
-__all__ = ["Viewer", "ViewerMissing", "serve", "show", "port_is_free", "INSTALL_HINT", "HOST"]
+__all__ = ["Viewer", "ViewerMissing", "serve", "show", "port_is_free", "check_port",
+           "check_installed", "INSTALL_HINT", "HOST"]
 
 HOST = "127.0.0.1"
-INSTALL_HINT = ('pip install "fxamp[viewer]" (Model Explorer, the package '
-                "ai-edge-model-explorer); .save(path) writes the same view without it")
+INSTALL_HINT = ('pip install "fxamp[viewer]", or pip install -e ".[viewer]" in a checkout '
+                "(Model Explorer, the package ai-edge-model-explorer); .save(path) writes the "
+                "same view without it")
 _CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_serve.py")
 _URL_PREFIX = "FXAMP_VIEWER_URL "
 
@@ -47,6 +49,19 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def check_port(port: Optional[int], *, free: str = "port=None") -> None:
+    """ConfigError unless `port` is None (a free one) or a free port of 1-65535 on 127.0.0.1;
+    `free` is how the caller asks for a free port ("port=None", or the shell's words)."""
+    if port is None:
+        return
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise ConfigError(f"port {port!r} is not one to serve on: pass one of 1-65535, or "
+                          f"{free} for a free one")
+    if not port_is_free(port):
+        raise ConfigError(f"port {port} on {HOST} is in use: pass another, or {free} for a "
+                          "free one")
 
 
 def _free_port() -> int:
@@ -121,7 +136,8 @@ class ViewerMissing(ImportError):
     """Model Explorer, which shows fxamp's graphs, is not installed (the message says how)."""
 
 
-def _check_installed() -> None:
+def check_installed() -> None:
+    """ViewerMissing, saying how to install it, unless Model Explorer is installed."""
     if importlib.util.find_spec("model_explorer") is None:
         raise ViewerMissing(f"fxamp's graph viewer needs Model Explorer: {INSTALL_HINT}",
                             name="model_explorer")
@@ -159,10 +175,8 @@ def serve(path: str, *, port: Optional[int] = None, timeout: float = 60.0,
           own_dir: Optional[str] = None) -> Viewer:
     """Start Model Explorer on 127.0.0.1 showing the view saved at `path`; returns once it
     answers. `port`: None picks a free one. `own_dir`, if given, is deleted at stop."""
-    _check_installed()
-    if port is not None and not port_is_free(port):
-        raise ConfigError(f"port {port} on {HOST} is in use: pass another, or port=None for "
-                          "a free one")
+    check_installed()
+    check_port(port)
     port = _free_port() if port is None else port
     log_dir = own_dir or tempfile.mkdtemp(prefix="fxamp-viewer-")
     log_path = os.path.join(log_dir, "server.log")
@@ -185,7 +199,8 @@ def show(view: Union[str, Any], *, port: Optional[int] = None, open_browser: boo
 
     Args:
         view: a `GraphView` (`explanation.view()` passes its own) or the path of a saved one.
-        port: the port to serve on; None picks a free one.
+        port: the port to serve on, 1-65535 (ConfigError at once for another or one in use);
+            None picks a free one.
         open_browser: open the page in the default web browser.
         wait: block until Ctrl+C, then stop the server (a script's use); False returns the
             running `Viewer` at once (a notebook's): stop it with `.stop()` or a `with` block.
@@ -194,7 +209,8 @@ def show(view: Union[str, Any], *, port: Optional[int] = None, open_browser: boo
     Returns:
         The Viewer (`.url`, `.port`), stopped if `wait`.
     """
-    _check_installed()
+    check_installed()
+    check_port(port)
     own_dir = tempfile.mkdtemp(prefix="fxamp-viewer-")
     path = view if isinstance(view, str) else view.save(os.path.join(own_dir, "view.json"))
     try:
