@@ -125,10 +125,11 @@ def _optimizer(out: str, smoke: bool) -> Part:
 
 def _e2e(out: str, smoke: bool, model: str) -> list[Part]:
     sizes = (["--device", "cpu", "--size", "tiny", "--steps", "3", "--warmup", "1",
-              "--recipes", "eager", "compile", "fxamp-O2", "--compiler", "aot_eager"] if smoke
+              "--recipes", "eager", "compile", "ceiling", "fxamp-O2", "--compiler",
+              "aot_eager"] if smoke
              else ["--device", "cuda", "--size", "large", "--steps", "30", "--warmup", "3",
                    # O2 before O1: the headline target, if the deadline leaves room for one
-                   "--recipes", "eager", "compile", "fxamp-O2", "fxamp-O1"])
+                   "--recipes", "eager", "compile", "fxamp-O2", "ceiling", "fxamp-O1"])
     return [Part(f"e2e-{model}-{dtype}", _module(
         "benchmarks.bench_e2e", *sizes, "--models", model, "--dtype", dtype, "--lock",
         f"{out}/gpu.lock", "--json", f"{out}/e2e-{model}-{dtype}.json"),
