@@ -45,12 +45,10 @@ log = logging.getLogger(__name__)
 class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
     """Base of fxamp's Adam, AdamW, SGD and LAMB; subclasses set `algorithm` and the defaults.
 
-    Every parameter with `requires_grad` becomes a view into a flat buffer per (group, dtype);
-    16-bit parameters get fp32 masters when `master_weights` is set. Every such parameter takes
-    a `.grad` view of a flat gradient buffer. As in torch.optim, a parameter whose `.grad` is
-    None at `step()` (no backward reached it since `zero_grad()`) is left alone: its weights,
-    master and states keep every bit (Note [A parameter without a gradient] in
-    buffers/flat.py). Its param group's step count still advances.
+    Every parameter with `requires_grad` becomes a view into a flat buffer per (group, dtype),
+    its `.grad` too; 16-bit ones get fp32 masters when `master_weights` is set. As torch.optim,
+    the step leaves a parameter whose `.grad` is None alone, bit for bit (Note [A parameter
+    without a gradient] in flat.py); its group's step count still advances.
 
     Under torch.distributed (`process_group`, "auto" by default: the default group when it is
     initialized with more than one rank) every rank's step agrees on the overflow flag, and on
@@ -147,8 +145,7 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         """Free the buffers and states once another optimizer steps these param groups (Note
         [Schedulers of a replaced optimizer] in convert.py); `step` refuses from then on."""
         state, self.handed_over = self._device_state, True
-        for bucket in state.buckets:
-            bucket.remove_hooks()
+        state.remove_hooks()
         self._device_state = DeviceState(state.device, state.fmt, fp32_masters=state.fp32_masters)
         self.state.clear()
         self.master_grads.drop()
@@ -274,12 +271,9 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         return dict(group=self._group, sharded=self._device_state.sharded)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradients in place and, with `set_to_none` (the default, torch's), set
-        every `.grad` to None: a backward that reaches a parameter makes its `.grad` the flat
-        view again, one it does not reach leaves it None and the step leaves the parameter
-        alone (Note [A parameter without a gradient] in buffers/flat.py). A scale_loss exit
-        whose gradients no step took still moves the scale, as in Apex (Note [Apex's
-        scale_loss exits])."""
+        """Zero the flat gradients; with `set_to_none` (torch's default) every `.grad` is None
+        until a backward reaches it (Note [A parameter without a gradient] in flat.py). A
+        scale_loss exit no step took still moves the scale (Note [Apex's scale_loss exits])."""
         exits.resolve_exit_of(self)
         for bucket in self.buckets:
             bucket.zero_grad(set_to_none)

@@ -168,6 +168,11 @@ class DeviceState:
         self._max_norm_seen = value
         return self._max_norm
 
+    def remove_hooks(self) -> None:
+        """Stop tracking the parameters' gradients (another optimizer steps them)."""
+        for slot in self.slots:
+            slot.bucket.remove_hooks()
+
     def flat_params(self) -> list[torch.Tensor]:
         return [p for s in self.slots for p in s.bucket.params]
 

@@ -8,22 +8,10 @@ number of parameters. 16-bit parameters get an fp32 master copy with the same la
 
 # Note [Keeping the flat views honest]
 Two things can break a view between steps, and `FlatBucket.sync_from_params` repairs both without
-a host read: a `.grad` replaced by another tensor (`p.grad = g`, or a backward after
-`model.zero_grad()` allocating a fresh one) is copied into the flat gradient and replaced by the
-view again; and a write through a parameter (e.g. `model.load_state_dict`) bumps `p._version`,
+a host read: a `.grad` replaced by another tensor (`p.grad = g`) is copied into the flat gradient
+and replaced by the view again; and a write through a parameter (e.g. `model.load_state_dict`) bumps `p._version`,
 after which the master copy is refreshed wherever the parameter no longer equals the rounded
 master.
-
-# Note [A parameter without a gradient]
-torch.optim skips a parameter whose `.grad` is None, and so does the fused step: its weights,
-master and states keep every bit (a per-block mask, `Bucket.received`, built on the host from
-`p.grad is None`, which the host knows). To keep that test meaningful, `.grad` is None exactly
-when torch's would be: `opt.zero_grad()` (set_to_none, the default) zeroes the flat gradient
-and sets every `.grad` to None, and a hook on each parameter (`register_hook`: it runs before
-autograd accumulates) puts the zeroed view back as `.grad` when a backward reaches it, so that
-autograd accumulates into the flat buffer in place, as before. A parameter no backward reached
-keeps `.grad` None. A view that held a gradient since (`model.zero_grad()` dropped it) is
-zeroed before it is reused, so that the step's overflow check and norm see 0 there.
 """
 
 from __future__ import annotations
@@ -44,6 +32,17 @@ __all__ = ["FlatBucket", "flatten_param_groups", "flatten_group", "check_group_p
            "make_bucket"]
 
 log = logging.getLogger(__name__)
+
+# Note [A parameter without a gradient]
+# torch.optim skips a parameter whose `.grad` is None, and so does the fused step: its weights,
+# master and states keep every bit (a per-block mask, `Bucket.received`, built on the host from
+# `p.grad is None`, which the host knows). To keep that test meaningful, `.grad` is None exactly
+# when torch's would be: `opt.zero_grad()` (set_to_none, the default) zeroes the flat gradient
+# and sets every `.grad` to None, and a hook on each parameter (`register_hook`: it runs before
+# autograd accumulates) puts the zeroed view back as `.grad` when a backward reaches it, so that
+# autograd accumulates into the flat buffer in place, as before. A parameter no backward reached
+# keeps `.grad` None. A view that held a gradient since (`model.zero_grad()` dropped it) is
+# zeroed before it is reused, so that the step's overflow check and norm see 0 there.
 
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class FlatBucket(Bucket):
