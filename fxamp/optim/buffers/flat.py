@@ -78,6 +78,7 @@ class FlatBucket(Bucket):
         self._dirty = list(self.received)  # a view holding values no zero_grad cleared
         for p, g, got in zip(self.params, self.grad_views, self.received):
             p.grad = g if got else None
+        self._ptrs = [p.data_ptr() for p in self.params]  # where each lives in this bucket
         self._hooks = [p.register_hook(functools.partial(self._on_backward, i))
                        for i, p in enumerate(self.params)]
         low = master_weights and ref.dtype in LOW_DTYPES
@@ -106,15 +107,12 @@ class FlatBucket(Bucket):
     def _on_backward(self, i: int, grad: torch.Tensor) -> None:
         # Note [A parameter without a gradient]: runs before autograd accumulates into p.grad.
         p, view = self.params[i], self.grad_views[i]
-        if p.grad is not None or not self._lives_here(i):
+        if p.grad is not None or p.data_ptr() != self._ptrs[i]:  # or another optimizer's now
             return
         if self._dirty[i]:
             with torch.no_grad():
                 view.zero_()
         p.grad, self._dirty[i] = view, True
-
-    def _lives_here(self, i: int) -> bool:
-        return self.params[i].data_ptr() == self.view(self.param, i).data_ptr()
 
     def remove_hooks(self) -> None:
         """Stop putting the gradient views back (another optimizer steps these parameters)."""
