@@ -39,7 +39,8 @@ class Trainer(transformers.Trainer):
         opt_level: "O0", "O1", "O2" or "O3".
         amp_options: `fxamp.AmpConfig.from_opt_level` keywords besides dtype.
         compiler: the compiler behind fxamp's passes ("inductor", "aot_eager", "eager").
-        *args, **kwargs: transformers.Trainer's.
+        *args, **kwargs: those of the next constructor in the MRO: transformers.Trainer's,
+            or a subclass's after this one (`class X(Trainer, trl.SFTTrainer)`).
 
     Raises:
         ConfigError: what fxamp's Accelerator refuses, `torch_compile_backend` other than
@@ -53,20 +54,20 @@ class Trainer(transformers.Trainer):
                  amp_options: Optional[dict[str, Any]] = None, compiler: str = "inductor",
                  **kwargs: Any) -> None:
         self._fxamp = dict(opt_level=opt_level, amp_options=amp_options, compiler=compiler)
-        given = inspect.signature(transformers.Trainer.__init__).bind_partial(
-            self, *args, **kwargs).arguments
-        check_convertible(given.get("optimizers", (None, None))[0])
-        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        # Note [Trainer subclasses]: `class X(Trainer, trl.SFTTrainer)` puts SFTTrainer next in
+        # the MRO, so the arguments are bound against the next __init__ (SFTTrainer's
+        # peft_config, a user's own keyword, or their **kwargs), never transformers.Trainer's
+        # alone; a wrong one raises the TypeError that __init__ would.
+        call = _Call(super().__init__, args, kwargs)
+        check_convertible((call.get("optimizers") or (None, None))[0])
+        training_args = call.get("args")
         if training_args is not None and training_args.torch_compile:
             _check_compile_backend(training_args.torch_compile_backend)
             # The Trainer would hand the name to accelerate's fixed list; fxamp compiles.
             training_args = copy.copy(training_args)
             training_args.torch_compile, training_args.torch_compile_backend = False, None
-            if "args" in kwargs:
-                kwargs["args"] = training_args
-            else:
-                args = (args[0], training_args, *args[2:])
-        super().__init__(*args, **kwargs)
+            call.set("args", training_args)
+        super().__init__(*call.bound.args, **call.bound.kwargs)
 
     def _build_accelerator_args(self, **kwargs: Any) -> dict[str, Any]:
         args = super()._build_accelerator_args(**kwargs)
@@ -144,6 +145,31 @@ class UserDtypes:
                 casts[same] = value.to(want)
             out[key] = casts[same]
         return out
+
+
+class _Call:
+    """A constructor call bound to the signature of `init` (the next `__init__` in the MRO),
+    read and changed by parameter name, also where `init` takes them as **kwargs."""
+
+    def __init__(self, init: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        signature = inspect.signature(init)
+        self.bound = signature.bind_partial(*args, **kwargs)  # the TypeError init would raise
+        self._var_kw = next((n for n, p in signature.parameters.items()
+                             if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+    def _where(self, name: str) -> Optional[dict[str, Any]]:
+        arguments = self.bound.arguments
+        if name in arguments:
+            return arguments
+        extra = arguments.get(self._var_kw, {}) if self._var_kw else {}
+        return extra if name in extra else None
+
+    def get(self, name: str) -> Any:
+        where = self._where(name)
+        return None if where is None else where[name]
+
+    def set(self, name: str, value: Any) -> None:
+        self._where(name)[name] = value
 
 
 def _check_compile_backend(backend: Optional[str]) -> None:

@@ -45,11 +45,10 @@ log = logging.getLogger(__name__)
 class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
     """Base of fxamp's Adam, AdamW, SGD and LAMB; subclasses set `algorithm` and the defaults.
 
-    Every parameter with `requires_grad` becomes a view into a flat buffer per (group, dtype);
-    16-bit parameters get fp32 masters when `master_weights` is set. Every such parameter takes
-    part in every step: one that got no gradient steps with a zero gradient (as in Apex's
-    FP16_Optimizer and DeepSpeed), where torch.optim would skip it. Freeze parameters with
-    `requires_grad=False` before building the optimizer to leave them out.
+    Every parameter with `requires_grad` becomes a view into a flat buffer per (group, dtype),
+    its `.grad` too; 16-bit ones get fp32 masters when `master_weights` is set. As torch.optim,
+    the step leaves a parameter whose `.grad` is None alone, bit for bit (Note [A parameter
+    without a gradient] in flat.py); its group's step count still advances.
 
     Under torch.distributed (`process_group`, "auto" by default: the default group when it is
     initialized with more than one rank) every rank's step agrees on the overflow flag, and on
@@ -146,6 +145,7 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         """Free the buffers and states once another optimizer steps these param groups (Note
         [Schedulers of a replaced optimizer] in convert.py); `step` refuses from then on."""
         state, self.handed_over = self._device_state, True
+        state.remove_hooks()
         self._device_state = DeviceState(state.device, state.fmt, fp32_masters=state.fp32_masters)
         self.state.clear()
         self.master_grads.drop()
@@ -271,12 +271,12 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         return dict(group=self._group, sharded=self._device_state.sharded)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat gradients in place; `set_to_none` is accepted and ignored, because the
-        `.grad` views must stay in the flat buffer. A scale_loss exit whose gradients no step
-        took still moves the scale, as in Apex (Note [Apex's scale_loss exits])."""
+        """Zero the flat gradients; with `set_to_none` (torch's default) every `.grad` is None
+        until a backward reaches it (Note [A parameter without a gradient] in flat.py). A
+        scale_loss exit no step took still moves the scale (Note [Apex's scale_loss exits])."""
         exits.resolve_exit_of(self)
         for bucket in self.buckets:
-            bucket.zero_grad()
+            bucket.zero_grad(set_to_none)
         self.master_grads.drop()
         scaled_graphs.release_pending(self)
         self.folding.raw_scaler = None

@@ -140,8 +140,9 @@ def _fixed_grad_run(cls, fmt, dtype, steps, **kw):
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in params:
-            # bf16 values for both runs: the reference must see the same gradients
-            p.grad.copy_((torch.randn(p.shape, generator=gen) * 1e-2).bfloat16().to(dtype))
+            # bf16 values for both runs: the reference must see the same gradients (a .grad
+            # set by hand is copied into the flat buffer at the step)
+            p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).bfloat16().to(dtype)
         opt.step()
     masters = [opt.state[p].get("master_param", p) for p in params]
     if fmt.master in ("kahan", "int8_error"):
@@ -238,6 +239,7 @@ def test_low_memory_preset_keeps_about_7_bytes_per_parameter():
     from benchmarks.optimizer_step import storage_bytes
 
     params = [torch.nn.Parameter(torch.zeros(256, 256, dtype=torch.bfloat16))]
+    params[0].grad = torch.zeros_like(params[0])  # becomes a view of the flat gradient
     opt = fo.AdamW(params, state_format="low_memory", compile=False)
     kept = [t for p in params for t in (p, p.grad)] + [
         v for s in opt.state.values() for v in s.values()]

@@ -191,10 +191,12 @@ class FP16_Optimizer:
             inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the model's and the masters' gradients (in place: they are flat buffers)."""
+        """Zero the model's and the masters' gradients (in place: they are flat buffers, and the
+        flat fp32 master steps as one tensor, as Apex's `flat_master=True`: a parameter without
+        a gradient steps with a zero one; `set_to_none` is ignored)."""
         exits.resolve_exit_of(self)  # it still moves the scale (Note [Apex's scale_loss exits])
         for bucket, master in self._slots:
-            bucket.zero_grad()
+            bucket.zero_grad(set_to_none=False)
             master.grad.zero_()
         self.folding.raw_scaler = None
         self.folding.finish_step()

@@ -51,6 +51,9 @@ class Bucket(abc.ABC):
         grad: flat model-dtype gradient buffer.
         master: flat fp32 copy of `param` for 16-bit parameters with master weights, else None.
         acc: fp32 unscaled gradients while gradients are being folded (folding.py), else None.
+        received: per parameter, whether it has a gradient for the next step (its `.grad` is
+            not None, as torch.optim asks); the step leaves the others alone (Note [A
+            parameter without a gradient] in flat.py).
     """
 
     sharded: bool
@@ -61,6 +64,7 @@ class Bucket(abc.ABC):
     grad: torch.Tensor
     master: Optional[torch.Tensor]
     acc: Optional[torch.Tensor]
+    received: list[bool]
 
     @property
     def weights(self) -> torch.Tensor:
@@ -86,8 +90,12 @@ class Bucket(abc.ABC):
         of sharded parameters] in sharded.py)."""
 
     @abc.abstractmethod
-    def zero_grad(self) -> None:
-        """Zero the flat gradient (and `acc`); the parameters' `.grad` as the bucket keeps them."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat gradient (and `acc`); the parameters' `.grad` None, or (not
+        `set_to_none`) zeroed, as torch.optim's zero_grad leaves them."""
+
+    def remove_hooks(self) -> None:
+        """Stop tracking the parameters' gradients (another optimizer steps them)."""
 
     @abc.abstractmethod
     def sync_from_params(self) -> None:

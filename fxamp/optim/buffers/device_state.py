@@ -42,6 +42,8 @@ class BucketSlot:
     state: state_buffers.BucketState
     aux: tuple
     stream_keys: torch.Tensor
+    received: tuple = ()  # the pattern `has_grad` was built for
+    has_grad: Optional[torch.Tensor] = None
 
     def update_args(self, grad: torch.Tensor) -> BucketArgs:
         """What `fused_step.update` reads and writes of this bucket, stepping by `grad`: the
@@ -51,7 +53,23 @@ class BucketSlot:
         states = tuple((_blocks(bufs[0]), *bufs[1:]) for bufs in self.state.states)
         model = None if b.master is None else _blocks(b.param)
         return BucketArgs(tuple(_blocks(w) for w in self.state.weights(b)), _blocks(grad),
-                          states, model, self.aux, self.state.master, self.stream_keys)
+                          states, model, self.aux, self.state.master, self.stream_keys,
+                          self.grad_mask())
+
+    def grad_mask(self) -> torch.Tensor:
+        """Per ALIGN-block, 1.0 where its parameter has a gradient, else 0.0 (Note [A parameter
+        without a gradient] in flat.py): an fp32 device tensor, sent again only when the
+        pattern changes (a host-to-device copy, never a read back)."""
+        received = tuple(self.bucket.received)
+        if self.has_grad is None or received != self.received:
+            b = self.bucket
+            blocks = torch.zeros(b.grad.numel() // ALIGN, dtype=torch.float32)
+            bounds = b.offsets[1:] + [b.grad.numel()]
+            for start, end, got in zip(b.offsets, bounds, received):
+                blocks[start // ALIGN:end // ALIGN] = float(got)
+            self.has_grad = blocks.to(b.grad.device, non_blocking=True)
+            self.received = received
+        return self.has_grad
 
 
 def _blocks(flat: torch.Tensor) -> torch.Tensor:
@@ -149,6 +167,11 @@ class DeviceState:
             self._max_norm.fill_(value)
         self._max_norm_seen = value
         return self._max_norm
+
+    def remove_hooks(self) -> None:
+        """Stop tracking the parameters' gradients (another optimizer steps them)."""
+        for slot in self.slots:
+            slot.bucket.remove_hooks()
 
     def flat_params(self) -> list[torch.Tensor]:
         return [p for s in self.slots for p in s.bucket.params]

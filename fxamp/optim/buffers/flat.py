@@ -8,14 +8,15 @@ number of parameters. 16-bit parameters get an fp32 master copy with the same la
 
 # Note [Keeping the flat views honest]
 Two things can break a view between steps, and `FlatBucket.sync_from_params` repairs both without
-a host read: `model.zero_grad()` (set_to_none) makes the next backward allocate a fresh `.grad`,
-which is copied into the flat gradient and replaced by the view again; and a write through a
-parameter (e.g. `model.load_state_dict`) bumps `p._version`, after which the master copy is
-refreshed wherever the parameter no longer equals the rounded master.
+a host read: a `.grad` replaced by another tensor (`p.grad = g`) is copied into the flat gradient
+and replaced by the view again; and a write through a parameter (e.g. `model.load_state_dict`) bumps `p._version`,
+after which the master copy is refreshed wherever the parameter no longer equals the rounded
+master.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Iterable, Optional, Sequence
 
@@ -31,6 +32,17 @@ __all__ = ["FlatBucket", "flatten_param_groups", "flatten_group", "check_group_p
            "make_bucket"]
 
 log = logging.getLogger(__name__)
+
+# Note [A parameter without a gradient]
+# torch.optim skips a parameter whose `.grad` is None, and so does the fused step: its weights,
+# master and states keep every bit (a per-block mask, `Bucket.received`, built on the host from
+# `p.grad is None`, which the host knows). To keep that test meaningful, `.grad` is None exactly
+# when torch's would be: `opt.zero_grad()` (set_to_none, the default) zeroes the flat gradient
+# and sets every `.grad` to None, and a hook on each parameter (`register_hook`: it runs before
+# autograd accumulates) puts the zeroed view back as `.grad` when a backward reaches it, so that
+# autograd accumulates into the flat buffer in place, as before. A parameter no backward reached
+# keeps `.grad` None. A view that held a gradient since (`model.zero_grad()` dropped it) is
+# zeroed before it is reused, so that the step's overflow check and norm see 0 there.
 
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class FlatBucket(Bucket):
@@ -62,8 +74,13 @@ class FlatBucket(Bucket):
                     self.view(self.grad, i).copy_(p.grad)
                 p.data = self.view(self.param, i)
         self.grad_views = self.views(self.grad)
-        for p, g in zip(self.params, self.grad_views):
-            p.grad = g
+        self.received = [p.grad is not None for p in self.params]
+        self._dirty = list(self.received)  # a view holding values no zero_grad cleared
+        for p, g, got in zip(self.params, self.grad_views, self.received):
+            p.grad = g if got else None
+        self._ptrs = [p.data_ptr() for p in self.params]  # where each lives in this bucket
+        self._hooks = [p.register_hook(functools.partial(self._on_backward, i))
+                       for i, p in enumerate(self.params)]
         low = master_weights and ref.dtype in LOW_DTYPES
         self.master = self.param.float() if low else None
         self.versions = [p._version for p in self.params]
@@ -78,13 +95,29 @@ class FlatBucket(Bucket):
         start = self.offsets[i] // block
         return per_block[start:start - (-self.params[i].numel() // block)]
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
         self.grad.zero_()
         if self.acc is not None:
             self.acc.zero_()
         for p, g in zip(self.params, self.grad_views):
-            if p.grad is not g:
-                p.grad = g
+            p.grad = None if set_to_none else g
+        self.received = [not set_to_none] * len(self.params)
+        self._dirty = [False] * len(self.params)
+
+    def _on_backward(self, i: int, grad: torch.Tensor) -> None:
+        # Note [A parameter without a gradient]: runs before autograd accumulates into p.grad.
+        p, view = self.params[i], self.grad_views[i]
+        if p.grad is not None or p.data_ptr() != self._ptrs[i]:  # or another optimizer's now
+            return
+        if self._dirty[i]:
+            with torch.no_grad():
+                view.zero_()
+        p.grad, self._dirty[i] = view, True
+
+    def remove_hooks(self) -> None:
+        """Stop putting the gradient views back (another optimizer steps these parameters)."""
+        for handle in self._hooks:
+            handle.remove()
 
     def sync_from_params(self) -> None:
         """Repair gradient views and stale masters; see Note [Keeping the flat views honest]."""
@@ -94,8 +127,12 @@ class FlatBucket(Bucket):
                 "optimizer's flat buffer: their .data was replaced (model.to(), .half(), a cast) "
                 "after the optimizer was built; move and cast the model first")
         for i, (p, g) in enumerate(zip(self.params, self.grad_views)):
-            if p.grad is not g:
+            if p.grad is None:
+                self._drop_grad(i)
+            elif p.grad is not g:
                 self._adopt_grad(i)
+            else:
+                self.received[i] = True
         if self.master is not None:
             for i, p in enumerate(self.params):
                 if p._version != self.versions[i]:
@@ -108,11 +145,17 @@ class FlatBucket(Bucket):
             log.info("a .grad was replaced outside the optimizer (model.zero_grad() sets it to "
                      "None); copying it into the flat buffer. opt.zero_grad() avoids the copy.")
         with torch.no_grad():
-            if p.grad is None:
-                view.zero_()
-            else:
-                view.copy_(p.grad)
-        p.grad = view
+            view.copy_(p.grad)
+        p.grad, self.received[i], self._dirty[i] = view, True, True
+
+    def _drop_grad(self, i: int) -> None:
+        # No gradient: the step leaves the parameter alone (Note [A parameter without a
+        # gradient]); its part of the flat gradient is zeroed for the overflow check and norm.
+        if self._dirty[i]:
+            with torch.no_grad():
+                self.grad_views[i].zero_()
+            self._dirty[i] = False
+        self.received[i] = False
 
     def _refresh_master(self, i: int) -> None:
         p = self.params[i]

@@ -62,6 +62,7 @@ class ShardedBucket(Bucket):
         self.master = self.param.float() if low else None
         self.acc = None
         self.versions = self._local_versions()
+        self.received = [False] * len(self.params)
         self._take_grads()
 
     def _locals(self) -> list[torch.Tensor]:
@@ -97,12 +98,15 @@ class ShardedBucket(Bucket):
             per_block[start:start + count], mesh, [Shard(0) if sharded else Replicate()],
             run_check=False, shape=(count * (mesh.size() if sharded else 1),), stride=(1,))
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The gradients live in the flat buffer either way; with set_to_none=False each
+        # parameter counts as having a (zero) gradient, as torch.optim sees zeroed ones.
         self.grad.zero_()
         if self.acc is not None:
             self.acc.zero_()
         for p in self.params:
             p.grad = None
+        self.received = [not set_to_none] * len(self.params)
 
     def sync_from_params(self) -> None:
         """Adopt shards written outside the optimizer (a loaded checkpoint), then take the
@@ -115,6 +119,7 @@ class ShardedBucket(Bucket):
     def _take_grads(self) -> None:
         pairs = [(view, p.grad.to_local()) for view, p in zip(self.grad_views, self.params)
                  if p.grad is not None]
+        self.received = [got or p.grad is not None for got, p in zip(self.received, self.params)]
         if pairs:
             with torch.no_grad():
                 foreach_add_([v for v, _ in pairs], [g.to(v.dtype) for v, g in pairs])

@@ -129,22 +129,26 @@ class BucketArgs(NamedTuple):
     aux: tuple  # the rule's constants for this bucket (Algorithm.aux)
     master: str  # the weights' kind (codecs.decode_master)
     stream_keys: Tensor  # int64: the master's and each state's codecs.stream_key
+    has_grad: Tensor  # fp32 per block: 1 where its parameter has a gradient, else 0 (kept)
 
 
 def update(bucket: BucketArgs, c: Sequence[Tensor], *, update_fn: Callable,
            unsigned: Sequence[bool], stochastic: Sequence[bool] = ()) -> None:
     """One elementwise pass over one bucket, `c` its group's scalars from the prologue (0-dim
     tensors, indexed like a row): decode the weights and states, unscale and clip the gradient,
-    apply the rule, encode, select the old values when skipping, write the weights, the states
-    and the model copy.
+    apply the rule, encode, select the old values when skipping (the whole step, or the blocks
+    of parameters without a gradient: `has_grad`), write the weights, the states and the model
+    copy.
 
     The weights are decoded by their master kind (Note [16-bit masters] in docs/design.md);
     each state is a tuple of buffers (one, or int8 codes and scales, Note [8-bit moments]);
     `unsigned[k]` says whether state k is non-negative, `stochastic[k]` whether it is rounded
     stochastically (Note [Rounding compact moments stochastically] in docs/design.md).
     """
-    w, g, st, model, ax, master, keys = bucket
-    skip = c[SKIP] != 0
+    w, g, st, model, ax, master, keys, has_grad = bucket
+    # Per block (Note [A parameter without a gradient] in flat.py); fp32, not a bool input,
+    # for the reason of Note [Selecting 8-bit codes].
+    skip = (c[SKIP] + (1 - has_grad)) != 0
     new_w, new_st = update_fn(codecs.decode_master(w, master), g.float() * c[GRAD_SCALE],
                               tuple(codecs.decode_state(s, u) for s, u in zip(st, unsigned)),
                               c, *ax)
@@ -158,17 +162,19 @@ def update(bucket: BucketArgs, c: Sequence[Tensor], *, update_fn: Callable,
             bits = codecs.stream_bits(new.shape, keys[1 + k], c[STEP], codecs.state_half(k))
         _write(s, codecs.encode_state(new, s, u, bits), skip)
     if model is not None:
-        model.copy_(torch.where(skip, model, new_w.to(model.dtype)))
+        model.copy_(torch.where(skip[:, None], model, new_w.to(model.dtype)))
 
 
 def _write(bufs: Sequence[Tensor], new: Sequence[Tensor], skip: Tensor) -> None:
+    # `skip` has one entry per block: full-size buffers are [blocks, ALIGN], per-block ones flat.
     # Note [Selecting 8-bit codes]: Inductor's vectorised C++ casts a 0-dim bool mask to an
     # int8 mask lane by lane (a scalar loop per vector, a third of the 8-bit step's time), and
     # torch 2.11 wrote converted codes to a full-size buffer before selecting. The codecs hand
     # 8-bit contents over as exact fp32 or int32 values; the select is one blend on those
     # lanes, and the conversion to the buffer's dtype comes last.
     for old, value in zip(bufs, new):
-        old.copy_(torch.where(skip, old.to(value.dtype), value).to(old.dtype))
+        rows = skip[:, None] if old.dim() == 2 else skip
+        old.copy_(torch.where(rows, old.to(value.dtype), value).to(old.dtype))
 
 
 def fold_grads(raws: Sequence[Tensor], accs: Sequence[Tensor], inv_scale: Tensor,
