@@ -59,7 +59,8 @@ class NVFP4Quantized(NamedTuple):
 def e2m1_encode(x: torch.Tensor, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
     """float32 `x` (already within +-6) to e2m1 codes in uint8 (sign in bit 3), to nearest even,
     or rounded up with probability equal to the distance from the code below when `noise`
-    (uniform in [0, 1), x's shape) is given. nan encodes as +0: torchao leaves it undefined."""
+    (uniform in [0, 1), x's shape) is given. e2m1 has no nan: a nan gets the code torchao's
+    conversion gives it (Note [e2m1 codes of nan])."""
     mag = x.abs()
     code = torch.zeros_like(x, dtype=torch.uint8)
     if noise is None:
@@ -71,9 +72,21 @@ def e2m1_encode(x: torch.Tensor, noise: Optional[torch.Tensor] = None) -> torch.
         low = grid[below]
         step = grid[below + 1] - low
         code = (below + (noise * step < mag - low).to(below.dtype)).to(torch.uint8)
-        code = torch.where(torch.isnan(x), 0, code).to(torch.uint8)
-    sign = torch.signbit(x) & ~torch.isnan(x)
-    return code | (sign.to(torch.uint8) << 3)
+    code = torch.where(torch.isnan(x), _nan_code(x), code)
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+# Note [e2m1 codes of nan]
+# torchao's float32 -> e2m1 conversion (`f32_to_f4_unpacked`) rounds by integer arithmetic on
+# the float32 bits and has no case for nan, which takes the normal-number path: its bits plus
+# the rounding bias, shifted down to 3 bits and truncated to a byte, give magnitude code 2, 3
+# or 4 (1.0, 1.5 or 2.0), with the nan's sign bit. It matters where a finite block meets an
+# infinite reciprocal (a per-tensor scale in float32's denormals makes 0 * inf): torchao
+# returns those codes, and bit-for-bit equality means returning them too.
+def _nan_code(x: torch.Tensor) -> torch.Tensor:
+    bits = x.view(torch.int32) & 0x7FFFFFFF
+    biased = bits + ((1 - 127) << 23) + (1 << 21) - 1 + ((bits >> 22) & 1)
+    return (biased >> 22).to(torch.uint8)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
