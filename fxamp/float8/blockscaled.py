@@ -62,6 +62,8 @@ def fake_quantize(x: torch.Tensor, fmt: BlockFormat, *, dim: int,
                   other_dim: Optional[int] = None, noise: Noise = None) -> torch.Tensor:
     """`x` quantized along `dim` and dequantized, in float32 (after the Hadamard transform when
     `fmt.rht_signs` is set). `other_dim` is the tile's second dim for `fmt.tiles`."""
+    if fmt.tiles and other_dim is None:
+        raise ValueError("16x16 blocks (tiles=True) need other_dim, the tile's second dim")
     if fmt.fmt == "mxfp8":
         return mx_dequantize(mx_quantize(x, dim=dim, mode=fmt.mode))
     if fmt.stochastic and noise is None:
@@ -81,7 +83,8 @@ def blockscaled_mm(a: torch.Tensor, b: torch.Tensor, *, a_format: BlockFormat,
 
     Args:
         a: [..., M, K], quantized along K (dim -1).
-        b: [K, N], quantized along K (dim 0); `b_format.tiles` makes its blocks 16x16.
+        b: [K, N], quantized along K (dim 0). `tiles` makes an operand's blocks 16x16 (over
+            M and K for a, K and N for b; torchao's weight blocks).
         a_format, b_format: each operand's `BlockFormat`.
         out_dtype: the result's dtype (a's by default).
         a_noise, b_noise: the noise source of a stochastic-rounding operand (a
@@ -97,11 +100,11 @@ def blockscaled_mm(a: torch.Tensor, b: torch.Tensor, *, a_format: BlockFormat,
     if a_format.rht_signs != b_format.rht_signs:
         raise ValueError("a Hadamard transform must rotate both operands of a GEMM alike: "
                          f"rht_signs {a_format.rht_signs} and {b_format.rht_signs}")
-    for name, x, f, dim, other in (("a", a, a_format, -1, None), ("b", b, b_format, 0, 1)):
+    for name, x, f, dim, other in (("a", a, a_format, -1, -2), ("b", b, b_format, 0, 1)):
         why = block_refusal(f.fmt, x.shape, dim, tile_dim=other if f.tiles else None)
         if why is not None:
             raise ValueError(f"operand {name} of shape {tuple(x.shape)}: {why}")
-    a_dq = fake_quantize(a, a_format, dim=-1, noise=a_noise)
+    a_dq = fake_quantize(a, a_format, dim=-1, other_dim=-2, noise=a_noise)
     b_dq = fake_quantize(b, b_format, dim=0, other_dim=1, noise=b_noise)
     return torch.matmul(a_dq, b_dq).to(out_dtype or a.dtype)
 

@@ -34,7 +34,7 @@ F32_MIN_NORMAL = 2.0 ** -126
 #   - rceil takes log2 in float32 (torch.log2), as torchao's eager fallback does; for amax/448
 #     a hair above a power of two that log2 rounds to the integer below, and e stays one lower
 #     than the hardware instruction would give.
-#   - a block whose e8m0 is 0 (amax under about 2**-119) is scaled by 1 (rceil) or by
+#   - a block whose e8m0 is 0 (amax below about 2**-118) is scaled by 1 (rceil) or by
 #     2**-126 (floor and friends) on the way in but by 2**-127 on the way out.
 MX_SCALE_MODES = ("rceil", "floor", "ceil", "even")
 
