@@ -17,6 +17,7 @@ from float8_reference import dequant
 from fxamp import _compat
 from fxamp.float8 import Float8Config
 from fxamp.float8.gemm import float8_linear
+from fxamp.testing import float8_gemms
 
 ROWWISE_ON_CPU = _compat.scaled_mm_refusal("cpu", True, torch.bfloat16) is None
 _NO_ROWWISE = pytest.mark.skipif(not ROWWISE_ON_CPU, reason="torch._scaled_mm has no "
@@ -182,11 +183,10 @@ def test_functional_gemms_are_reached():
                        ("bmm", False), ("matmul", False)}, report.gemms
     assert all(g.reason for g in report.gemms)
     assert sum(g.float8 for g in report.gemms) == 5  # proj, h @ mix, mm, addmm, lm_head
-    # each float8 GEMM is three _scaled_mm calls: one forward, two backward
+    # each float8 GEMM is three float8 GEMMs: one forward, two backward
     fw = [n for g in report.graphs for n in g.graph_module.graph.nodes
           if getattr(n.target, "__name__", "") in ("float8_linear", "float8_matmul")]
-    bw = [n for gm in report.backward_graphs for n in gm.graph.nodes
-          if n.target is torch.ops.aten._scaled_mm.default]
+    bw = [g for gm in report.backward_graphs for g in float8_gemms(gm)]
     assert len(fw) == 5 and len(bw) == 10
     assert 0 < report.float8_flop_share < 1
     assert "attention-style batched GEMM" in str(report)  # h @ h^T: no parameter operand

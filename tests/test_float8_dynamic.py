@@ -11,6 +11,7 @@ import fxamp
 from float8_reference import dequant
 from fxamp import _compat
 from fxamp.float8 import Float8Config
+from fxamp.testing import float8_gemms
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 _NO_ROWWISE = pytest.mark.skipif(
@@ -37,20 +38,21 @@ class Graphs:
 
 
 def _scaled_mms(gm):
-    """(operand dtypes, output dtype, whether M or N is symbolic) of every _scaled_mm."""
+    """(operand dtypes, output dtype, whether M or N is symbolic) of every float8 GEMM."""
     out = []
-    for n in gm.graph.nodes:
-        if n.target is torch.ops.aten._scaled_mm.default:
-            shape = n.meta["val"].shape
-            out.append((tuple(a.meta["val"].dtype for a in n.args[:2]), n.meta["val"].dtype,
-                        not all(isinstance(d, int) for d in shape)))
+    for g in float8_gemms(gm):
+        shape = g.node.meta["val"].shape
+        out.append((g.operands, g.out, not all(isinstance(d, int) for d in shape)))
     return out
 
 
 def _plain_mms(gm):
+    """The GEMMs that are not float8 (in either lowering)."""
+    float8 = {g.node for g in float8_gemms(gm)}
     return [n for n in gm.graph.nodes if n.target in (torch.ops.aten.mm.default,
                                                       torch.ops.aten.addmm.default,
-                                                      torch.ops.aten.bmm.default)]
+                                                      torch.ops.aten.bmm.default)
+            and n not in float8]
 
 
 def _close(actual, expected, what):

@@ -11,7 +11,7 @@ expecttest = pytest.importorskip("expecttest")
 
 import fxamp
 from fxamp import _compat
-from fxamp.testing import format_graph
+from fxamp.testing import float8_gemms, format_graph
 
 
 class TwoLayers(torch.nn.Module):
@@ -25,9 +25,8 @@ class TwoLayers(torch.nn.Module):
 
 
 def _scaled_mm_operands(gm):
-    """(operand dtypes, output dtype) of every _scaled_mm in a graph."""
-    return [(tuple(str(a.meta["val"].dtype) for a in n.args[:2]), str(n.meta["val"].dtype))
-            for n in gm.graph.nodes if n.target is torch.ops.aten._scaled_mm.default]
+    """(operand dtypes, output dtype) of every float8 GEMM in a graph (either lowering)."""
+    return [(tuple(map(str, g.operands)), str(g.out)) for g in float8_gemms(gm)]
 
 
 class TestFloat8Golden(expecttest.TestCase):
@@ -50,49 +49,50 @@ relu: bf16[16,64]
 detach: bf16[16,64]
 t_1: bf16[64,32]
 tangents_1: f32[16,32]
-_to_copy_10: bf16[16,32] = _to_copy(tangents_1, dtype=bf16, layout=torch.strided, device=device(type='cpu'))
-t_2: bf16[32,16] = t(_to_copy_10)
-mm_1: bf16[32,64] = mm(t_2, relu)
-t_3: bf16[64,32] = t(mm_1)
+_to_copy_13: bf16[16,32] = _to_copy(tangents_1, dtype=bf16, layout=torch.strided, device=device(type='cpu'))
+t_2: bf16[32,16] = t(_to_copy_13)
+mm_2: bf16[32,64] = mm(t_2, relu)
+t_3: bf16[64,32] = t(mm_2)
 t_4: bf16[32,64] = t(t_1)
-mm_2: bf16[16,64] = mm(_to_copy_10, t_4)
+mm_3: bf16[16,64] = mm(_to_copy_13, t_4)
 t_5: bf16[32,64] = t(t_3)
 detach_1: bf16[16,64] = detach(detach)
-threshold_backward: bf16[16,64] = threshold_backward(mm_2, detach_1, 0)
+threshold_backward: bf16[16,64] = threshold_backward(mm_3, detach_1, 0)
 view_2: bf16[16,64] = view(threshold_backward, [16, 64])
 abs_3: bf16[16,64] = abs(view_2)
 max_3: bf16[] = max(abs_3)
-_to_copy_11: f64[] = _to_copy(max_3, dtype=f64)
-clamp_4: f64[] = clamp(_to_copy_11, 1e-12)
+_to_copy_14: f64[] = _to_copy(max_3, dtype=f64)
+clamp_4: f64[] = clamp(_to_copy_14, 1e-12)
 reciprocal_4: f64[] = reciprocal(clamp_4)
-mul_4: f64[] = mul.Tensor(reciprocal_4, 57344.0)
-_to_copy_12: f32[] = _to_copy(mul_4, dtype=f32)
-_to_copy_13: f32[16,64] = _to_copy(view_2, dtype=f32)
-mul_5: f32[16,64] = mul.Tensor(_to_copy_13, _to_copy_12)
-clamp_5: f32[16,64] = clamp(mul_5, -57344.0, 57344.0)
-_to_copy_14: e5m2[16,64] = _to_copy(clamp_5, dtype=e5m2)
-t_9: e5m2[64,16] = t(_to_copy_14)
+mul_6: f64[] = mul.Tensor(reciprocal_4, 57344.0)
+_to_copy_15: f32[] = _to_copy(mul_6, dtype=f32)
+_to_copy_16: f32[16,64] = _to_copy(view_2, dtype=f32)
+mul_7: f32[16,64] = mul.Tensor(_to_copy_16, _to_copy_15)
+clamp_5: f32[16,64] = clamp(mul_7, -57344.0, 57344.0)
+_to_copy_17: e5m2[16,64] = _to_copy(clamp_5, dtype=e5m2)
+t_7: e5m2[64,16] = t(_to_copy_17)
 abs_5: bf16[16,64] = abs(view)
 max_5: bf16[] = max(abs_5)
-_to_copy_19: f64[] = _to_copy(max_5, dtype=f64)
-clamp_8: f64[] = clamp(_to_copy_19, 1e-12)
+_to_copy_25: f64[] = _to_copy(max_5, dtype=f64)
+clamp_8: f64[] = clamp(_to_copy_25, 1e-12)
 reciprocal_8: f64[] = reciprocal(clamp_8)
-mul_8: f64[] = mul.Tensor(reciprocal_8, 448.0)
-_to_copy_20: f32[] = _to_copy(mul_8, dtype=f32)
-_to_copy_21: f32[16,64] = _to_copy(view, dtype=f32)
-mul_9: f32[16,64] = mul.Tensor(_to_copy_21, _to_copy_20)
-clamp_9: f32[16,64] = clamp(mul_9, -448.0, 448.0)
-_to_copy_22: e4m3[16,64] = _to_copy(clamp_9, dtype=e4m3)
-clone_1: e5m2[64,16] = clone(t_9, memory_format=torch.contiguous_format)
-t_10: e4m3[64,16] = t(_to_copy_22)
-clone_2: e4m3[64,16] = clone(t_10, memory_format=torch.contiguous_format)
-t_11: e4m3[16,64] = t(clone_2)
-reciprocal_9: f32[] = reciprocal(_to_copy_12)
-reciprocal_10: f32[] = reciprocal(_to_copy_20)
-_scaled_mm_2: bf16[64,64] = _scaled_mm(clone_1, t_11, reciprocal_9, reciprocal_10, None, None, bf16)
-t_12: bf16[64,64] = t(_scaled_mm_2)
-t_13: bf16[64,64] = t(t_12)
-return [None, t_13, t_5]""")
+mul_12: f64[] = mul.Tensor(reciprocal_8, 448.0)
+_to_copy_26: f32[] = _to_copy(mul_12, dtype=f32)
+_to_copy_27: f32[16,64] = _to_copy(view, dtype=f32)
+mul_13: f32[16,64] = mul.Tensor(_to_copy_27, _to_copy_26)
+clamp_9: f32[16,64] = clamp(mul_13, -448.0, 448.0)
+_to_copy_28: e4m3[16,64] = _to_copy(clamp_9, dtype=e4m3)
+reciprocal_9: f32[] = reciprocal(_to_copy_15)
+reciprocal_10: f32[] = reciprocal(_to_copy_26)
+_to_copy_29: f32[64,16] = _to_copy(t_7, dtype=f32)
+mul_14: f32[64,16] = mul.Tensor(_to_copy_29, reciprocal_9)
+_to_copy_30: f32[16,64] = _to_copy(_to_copy_28, dtype=f32)
+mul_15: f32[16,64] = mul.Tensor(_to_copy_30, reciprocal_10)
+mm_5: f32[64,64] = mm(mul_14, mul_15)
+_to_copy_31: bf16[64,64] = _to_copy(mm_5, dtype=bf16)
+t_8: bf16[64,64] = t(_to_copy_31)
+t_9: bf16[64,64] = t(t_8)
+return [None, t_9, t_5]""")
         # the weight gradient of fc1 is one e5m2 x e4m3 GEMM with a bf16 result
         self.assertEqual(_scaled_mm_operands(report.backward_graphs[0]),
                          [(("torch.float8_e5m2", "torch.float8_e4m3fn"), "torch.bfloat16")])
@@ -152,14 +152,19 @@ class TestFloat8GradWeightHpGolden(expecttest.TestCase):
                                     torch.nn.Linear(64, 64, bias=False))
         report = fxamp.explain(model, torch.randn(16, 64), opt_level="O2",
                                float8="rowwise_with_gw_hp", backward=True)
-        dtype = lambda n: str(n.meta["val"].dtype).replace("torch.", "")
-        gemms = [f"{n.target.__name__}({dtype(n.args[0])}, {dtype(n.args[1])}) -> {dtype(n)}"
-                 for n in report.backward_graphs[0].graph.nodes
+        name = lambda d: str(d).replace("torch.", "")
+        dtype = lambda n: name(n.meta["val"].dtype)
+        graph = report.backward_graphs[0]
+        float8 = {g.node: g for g in float8_gemms(graph)}
+        gemms = [f"float8({name(float8[n].operands[0])}, {name(float8[n].operands[1])}) -> "
+                 f"{name(float8[n].out)}" if n in float8 else
+                 f"{n.target.__name__}({dtype(n.args[0])}, {dtype(n.args[1])}) -> {dtype(n)}"
+                 for n in graph.graph.nodes
                  if n.target in (torch.ops.aten._scaled_mm.default, torch.ops.aten.mm.default)]
         # grad_input of the second layer in float8 (row-scaled gradient, tensor-scaled
         # weight); both grad_weights in bf16 (the first layer's grad_input is dead: x)
         self.assertExpectedInline("\n".join(gemms), """\
-_scaled_mm.default(float8_e4m3fn, float8_e4m3fn) -> bfloat16
+float8(float8_e4m3fn, float8_e4m3fn) -> bfloat16
 mm.default(bfloat16, bfloat16) -> bfloat16
 mm.default(bfloat16, bfloat16) -> bfloat16""")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import torch
 import torch.fx as fx
 
 # Checked on 2.11.0, 2.13.0, 2.14.1.
@@ -11,14 +12,45 @@ from torch._functorch.aot_autograd import make_boxed_func  # noqa: F401
 
 
 def compile_fx(gm: fx.GraphModule, example_inputs: Any, *, config_patches: Optional[dict] = None):
-    """Inductor's compiler entry point (what `torch.compile(backend="inductor")` calls).
+    """Inductor's compiler entry point (what `torch.compile(backend="inductor")` calls), with
+    the CPU's vector width in the config of a graph that has CPU inputs (Note [Inductor's cache
+    and the CPU's instruction set]).
 
     Imported when first used: Inductor takes seconds to import. Checked on 2.11.0, 2.13.0,
     2.14.1.
     """
     from torch._inductor.compile_fx import compile_fx as inductor_compile_fx
 
-    return inductor_compile_fx(gm, example_inputs, config_patches=config_patches)
+    on_cpu = any(getattr(x, "device", None) == _CPU for x in example_inputs)
+    patches = {**(cpu_code_options() if on_cpu else {}), **(config_patches or {})}
+    return inductor_compile_fx(gm, example_inputs, config_patches=patches or None)
+
+
+# Note [Inductor's cache and the CPU's instruction set]
+# Inductor's C++ code depends on the vector instruction set it picks for this CPU (AVX-512 or
+# AVX2 on x86: the lanes of each `Vectorized` type, how many of them a loop loads), and that
+# pick follows `ATEN_CPU_CAPABILITY` as well as the CPU. But its FX graph cache keys a compiled
+# graph on the graph and Inductor's config, not on that pick (torch 2.11-2.14): a process with
+# `ATEN_CPU_CAPABILITY=avx2` (CI's second run of the float8 tests on an AVX-512 machine), or a
+# narrower CPU sharing the cache directory, loads the wrapper and kernel sources generated for
+# AVX-512 and compiles them with AVX2's flags. Those kernels load and store 32 bf16 lanes into
+# 16-lane vectors: memory past the end is read and written, and the gradients come out NaN or
+# wrong on some runs (seen on the float8 repro of issue 38 on an AVX-512 CPU, 3 and 4 runs in 6
+# and 4). fxamp puts the picked width into the config of every graph it compiles for the CPU
+# (`cpp.simdlen`, which Inductor reads to pick the same instruction set again), so that graphs
+# generated for different widths are different cache entries; a width the user passes wins.
+# Reported upstream-style in docs/float8.md, "Known differences".
+_CPU = torch.device("cpu")
+
+
+def cpu_code_options() -> dict[str, Any]:
+    """{"cpp.simdlen": the vector width Inductor picked for this CPU} ({} where it found no
+    vector instruction set): Note [Inductor's cache and the CPU's instruction set]. Checked on
+    2.11.0, 2.13.0, 2.14.1."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = pick_vec_isa()
+    return {"cpp.simdlen": isa.bit_width()} if isa else {}
 
 
 def list_mode_options(mode: str) -> dict[str, Any]:

@@ -1,10 +1,12 @@
-"""The float8 GEMM: forward and both backward GEMMs through `torch._scaled_mm`, scales in-graph.
+"""The float8 GEMM: forward and both backward GEMMs in float8, scales in-graph.
 
 The float8 pass replaces a GEMM node of the pre-dispatch ATen graph by `float8_linear` or
 `float8_matmul`, which apply the autograd.Function `Float8MM`: AOTAutograd traces its forward and
 its two backward GEMMs into the forward and backward graphs (torchao's math, operand for
 operand). A batched GEMM is a flattened linear when its right operand has a single batch entry,
-otherwise one `_scaled_mm` per batch entry (at most `Float8Config.max_batch`).
+otherwise one `_scaled_mm` per batch entry (at most `Float8Config.max_batch`). Each GEMM is
+`torch._scaled_mm` on CUDA and the emulated GEMM elsewhere (Note [The emulated float8 lowering]
+in fxamp/float8/emulated.py): the same numbers.
 
 Design (docs/design.md): Note [Float8 GEMMs are an autograd.Function in the graph], Note [Batched
 float8 GEMMs].
@@ -18,6 +20,7 @@ import torch
 
 from fxamp._compat import scaled_mm
 from fxamp.float8.config import RECIPES, Recipe
+from fxamp.float8.emulated import emulated_scaled_mm, lowering_for
 from fxamp.float8.scaling import amax_to_scale, cast_to_float8, delayed_scale
 
 __all__ = ["Float8MM", "float8_bmm", "float8_linear", "float8_matmul", "float8_mm"]
@@ -61,8 +64,10 @@ def _row_major(x: torch.Tensor) -> bool:
 def float8_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: torch.Tensor,
               out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
     """(a / scale_a) @ (b / scale_b) in `out_dtype` for float8 `a` [M, K] and `b` [K, N]."""
-    a = a if _row_major(a) else a.contiguous()  # _scaled_mm: a row-major, b column-major
-    b = b.t().contiguous().t() if _row_major(b) else b
+    hardware = lowering_for(a.device) == "scaled_mm"
+    if hardware:  # _scaled_mm: a row-major, b column-major
+        a = a if _row_major(a) else a.contiguous()
+        b = b.t().contiguous().t() if _row_major(b) else b
     inv_a, inv_b = scale_a.reciprocal(), scale_b.reciprocal()
     if inv_a.dim() != inv_b.dim():
         # one row-scaled operand, one tensor-scaled (rowwise_with_gw_hp's grad_input):
@@ -77,8 +82,11 @@ def float8_mm(a: torch.Tensor, scale_a: torch.Tensor, b: torch.Tensor, scale_b: 
         # one with unit scales and apply the (power-of-two, so exact) scales afterwards.
         post, inv_a, inv_b = inv_a * inv_b, inv_a.new_ones(()), inv_a.new_ones(())
     mm_dtype = torch.bfloat16 if rowwise and out_dtype != torch.bfloat16 else out_dtype
-    out = scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=mm_dtype,
-                    use_fast_accum=fast_accum)
+    if hardware:
+        out = scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=mm_dtype,
+                        use_fast_accum=fast_accum)
+    else:
+        out = emulated_scaled_mm(a, b, scale_a=inv_a, scale_b=inv_b, out_dtype=mm_dtype)
     if post is not None:
         out = (out * post).to(mm_dtype)
     return out.to(out_dtype)

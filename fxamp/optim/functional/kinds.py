@@ -15,7 +15,7 @@ from typing import Any, Callable, Hashable, Optional
 
 import torch
 
-from fxamp._compat import compile_symbolic
+from fxamp._compat import compile_symbolic, cpu_code_options, pytree
 
 __all__ = ["CompiledPerKind", "kind_of"]
 
@@ -57,8 +57,12 @@ class CompiledPerKind:
         kind = (kind_of(args), kind_of(kwargs))
         compiled = self._compiled.get(kind)
         if compiled is None:
-            options = None if self._options is None else self._options()
-            compiled = compile_symbolic(self.fn, fullgraph=True, options=options)
+            options = {} if self._options is None else self._options()
+            if any(isinstance(t, torch.Tensor) and t.device.type == "cpu"
+                   for t in pytree.tree_leaves((args, kwargs))):
+                # Note [Inductor's cache and the CPU's instruction set]
+                options = {**cpu_code_options(), **options}
+            compiled = compile_symbolic(self.fn, fullgraph=True, options=options or None)
             self._compiled[kind] = compiled
         return compiled(*args, **kwargs)
 
