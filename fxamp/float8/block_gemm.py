@@ -23,11 +23,16 @@ stochastic rounding of gradients are not applied (docs/float8.md, "Block-scaled 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
-from fxamp.float8.blockscaled import BlockFormat, fake_quantize
+from fxamp._compat import size_hint, size_rule_holds
+from fxamp.float8.blocks import FORMATS
+from fxamp.float8.blockscaled import BlockFormat, fake_quantize, linear_refusal
+from fxamp.float8.config import Float8Config
 
-__all__ = ["BlockScaledMM", "block_formats", "block_mm"]
+__all__ = ["BlockScaledMM", "block_formats", "block_mm", "block_reason", "block_shape_refusal"]
 
 
 def block_formats(recipe: str, mx_scale_mode: str = "rceil") -> tuple[BlockFormat, BlockFormat]:
@@ -73,3 +78,23 @@ class BlockScaledMM(torch.autograd.Function):
         grad_a = block_mm(grad, _t(b), act, weight, grad.dtype)
         grad_b = block_mm(_t(a), grad, act, act, grad.dtype)
         return grad_a, grad_b, None, None
+
+
+def block_shape_refusal(shape: tuple, fmt: str) -> Optional[str]:
+    """Why a GEMM of M x K x N (ints or SymInts) cannot train in `fmt`, or None: each of the
+    three GEMMs blocks its own reduction dim (`linear_refusal`). A symbolic size is decided,
+    and guarded on, first (Note [Float8 GEMMs at symbolic shapes]); the sentence is
+    `linear_refusal`'s at the traced sizes."""
+    if all(size_rule_holds(d % FORMATS[fmt] == 0) for d in shape):
+        return None
+    why = linear_refusal(fmt, *(size_hint(d) or 0 for d in shape))
+    return why if all(isinstance(d, int) for d in shape) else f"{why} (or data-dependent)"
+
+
+def block_reason(f8: Float8Config) -> str:
+    """What a block-scaled recipe does to a GEMM, as explain() prints it."""
+    if f8.recipe == "mxfp8":
+        what = f"e4m3 in blocks of 32, e8m0 scales ({f8.mx_scale_mode})"
+    else:
+        what = "e2m1 in blocks of 16 (weight 16x16), e4m3 scales, round to nearest"
+    return f"{f8.recipe}: {what}, all three GEMMs, emulated"

@@ -184,10 +184,12 @@ def check_float8_support(f8: Optional[Float8Config], device_type: str,
     if f8 is None:
         return
     why = recipe_refusal(f8.recipe, device_type, dtype)
-    if why is not None:
-        raise ConfigError(
-            f"float8 recipe {f8.recipe!r} cannot run on {device_type!r} with torch "
-            f"{torch.__version__}: {why}. Use recipe='tensorwise'"
-            f"{'' if f8.spec.rowwise or f8.spec.block else ' on a GPU with compute capability 8.9+'}"
-            f"{', the CPU for ' + repr(f8.recipe) if f8.spec.block else ', a newer torch'}, or "
-            "float8=None")
+    if why is None:
+        return
+    if f8.spec.block:
+        fix = f"recipe='tensorwise' or 'rowwise', the CPU for {f8.recipe!r}"
+    else:
+        fix = ("recipe='tensorwise'" + ("" if f8.spec.rowwise else " on a GPU with compute "
+                                        "capability 8.9+") + ", a newer torch")
+    raise ConfigError(f"float8 recipe {f8.recipe!r} cannot run on {device_type!r} with torch "
+                      f"{torch.__version__}: {why}. Use {fix}, or float8=None")

@@ -20,8 +20,7 @@ import torch.fx as fx
 
 from fxamp._compat import SET_GRAD_ENABLED, detect_fake_mode, size_hint, size_rule_holds
 from fxamp.config import AmpConfig
-from fxamp.float8.blocks import FORMATS
-from fxamp.float8.blockscaled import linear_refusal
+from fxamp.float8.block_gemm import block_reason, block_shape_refusal
 from fxamp.float8.config import Float8Config
 from fxamp.float8.delayed import PREFIX, Float8History, history_name
 from fxamp.float8.gemm import float8_bmm, float8_linear, float8_matmul
@@ -90,19 +89,10 @@ def _flops(node: fx.Node) -> int:
 # unrolled at trace time: float8_operands.py refuses it before any comparison adds a guard).
 
 
-def _block_shape_refusal(shape: tuple, fmt: str) -> Optional[str]:
-    # each of the three GEMMs blocks its own reduction dim (linear_refusal); a symbolic size
-    # is decided (and guarded on) first, the sentence is linear_refusal's at the traced sizes
-    if all(size_rule_holds(d % FORMATS[fmt] == 0) for d in shape):
-        return None
-    why = linear_refusal(fmt, *(size_hint(d) or 0 for d in shape))
-    return why if all(isinstance(d, int) for d in shape) else f"{why} (or data-dependent)"
-
-
 def _shape_refusal(shape: tuple, f8: Float8Config) -> Optional[str]:
     m, k, n = shape
     symbolic = "" if all(isinstance(d, int) for d in shape) else " (or data-dependent)"
-    block = f8.spec.block and _block_shape_refusal(shape, f8.spec.block)
+    block = f8.spec.block and block_shape_refusal(shape, f8.spec.block)
     if block:
         return block
     if not f8.spec.block and not all(size_rule_holds(d % 16 == 0) for d in shape):
@@ -144,27 +134,18 @@ def _refusal(node: fx.Node, ops: GemmOperands, config: AmpConfig,
     return _shape_refusal(ops.mkn, f8)
 
 
-def _block_why(ops: GemmOperands, f8: Float8Config) -> str:
-    # Note [Block-scaled recipes are emulated only] (fxamp/float8/block_gemm.py)
-    if f8.recipe == "mxfp8":
-        what = f"e4m3 in blocks of 32, e8m0 scales ({f8.mx_scale_mode})"
-    else:
-        what = "e2m1 in blocks of 16 (weight 16x16), e4m3 scales, round to nearest"
-    return (f"{f8.recipe}: {what}, all three GEMMs, emulated; "
-            f"{short_dtype(ops.a.dtype)} out")
-
-
 def _why(ops: GemmOperands, config: AmpConfig) -> str:
     r = config.float8.spec
     if r.block:
-        why = _block_why(ops, config.float8)
+        why = f"{block_reason(config.float8)}; {short_dtype(ops.a.dtype)} out"
     else:
         why = (f"{r.name}: {short_dtype(r.input)} x {short_dtype(r.weight)}, grad "
                f"{short_dtype(r.grad_output)}"
                f"{', grad_weight ' + short_dtype(ops.a.dtype) if r.grad_weight_hp else ''}, "
                f"{short_dtype(ops.a.dtype)} out")
     if ops.batch:
-        why += f"; {ops.batch} GEMMs, one per batch entry" + ("" if r.block else ", scaled per entry")
+        why += f"; {ops.batch} GEMMs, one per batch entry"
+        why += "" if r.block else ", scaled per entry"
     elif ops.flattened:
         why += "; one flattened GEMM (the right operand has one batch entry)"
     return why
