@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fxamp
+from fxamp import _compat
 from fxamp.float8 import Float8Config
 from fxamp.float8.block_gemm import block_formats
 from fxamp.float8.blockscaled import blockscaled_mm, fake_quantize
@@ -178,3 +179,28 @@ def test_the_hardware_lowering_is_refused_by_name(recipe):
                        "lowering"):
         check_float8_support(Float8Config(recipe=recipe), "cuda", BF16)
     check_float8_support(Float8Config(recipe=recipe), "cpu", BF16)
+
+
+def _mm_dtypes(gm):
+    return {n.meta["val"].dtype for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default}
+
+
+def test_symbolic_m_keeps_the_recipe_and_guards_the_block_rule():
+    # Note [Float8 GEMMs at symbolic shapes]: M = 32, then 64 (recompiled dynamic: float32
+    # GEMMs of dequantized operands), then 48, off mxfp8's block: the guard fails, and the
+    # graph made for it keeps the linear in bf16
+    forward = []
+
+    def keep(gm, _):
+        forward.append(gm)
+        return _compat.make_boxed_func(gm.forward)
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64, bias=False)
+    fxamp.compile(model, opt_level="O1", float8="mxfp8",
+                  compiler=_compat.aot_autograd(fw_compiler=keep, bw_compiler=keep))
+    for seq in (16, 32, 24):
+        model(torch.randn(2, seq, 64)).float().sum().backward()
+    assert len(forward) == 6  # forward and backward of three graphs
+    assert _mm_dtypes(forward[2]) == _mm_dtypes(forward[3]) == {torch.float32}
+    assert _mm_dtypes(forward[4]) == _mm_dtypes(forward[5]) == {BF16}
