@@ -204,3 +204,10 @@ def test_symbolic_m_keeps_the_recipe_and_guards_the_block_rule():
     assert len(forward) == 6  # forward and backward of three graphs
     assert _mm_dtypes(forward[2]) == _mm_dtypes(forward[3]) == {torch.float32}
     assert _mm_dtypes(forward[4]) == _mm_dtypes(forward[5]) == {BF16}
+
+
+def test_the_recipe_and_the_scale_mode_change_the_cache_key():
+    configs = [Float8Config(recipe="mxfp8"), Float8Config(recipe="mxfp8", mx_scale_mode="floor"),
+               Float8Config(recipe="nvfp4"), Float8Config(recipe="tensorwise")]
+    keys = {fxamp.AmpConfig.from_opt_level("O2", float8=f).cache_key() for f in configs}
+    assert len(keys) == 4
