@@ -7,7 +7,9 @@ recipes are torchao's (`torchao.float8.Float8LinearConfig.from_recipe_name`): `t
 row of the left operand and per column of the right one, over the contraction dim, e4m3
 everywhere, scales rounded down to powers of two) and `rowwise_with_gw_hp` (rowwise for the
 output GEMM; grad_input from a rowwise gradient and a tensorwise weight; the grad_weight GEMM
-in the model's dtype, not float8).
+in the model's dtype, not float8). The block-scaled recipes `mxfp8` and `nvfp4` (issue 39) quantize
+every operand of all three GEMMs in blocks along its own reduction dim (fxamp/float8/block_gemm.py;
+docs/float8.md, "Block-scaled formats"), emulated only.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from typing import Optional, Union
 import torch
 
 from fxamp.errors import ConfigError
+from fxamp.float8.emulated import lowering_for
+from fxamp.float8.mxfp8 import MX_SCALE_MODES
 
-__all__ = ["Float8Config", "Recipe", "RECIPES", "SCALINGS", "E4M3", "E5M2", "as_float8_config",
-           "check_float8_support", "recipe_refusal"]
+__all__ = ["Float8Config", "Recipe", "RECIPES", "SCALINGS", "MX_SCALE_MODES", "E4M3", "E5M2",
+           "as_float8_config", "check_float8_support", "recipe_refusal"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -32,14 +36,17 @@ class Recipe:
     """The float8 dtypes and scale granularity of one recipe (torchao's semantics).
 
     Attributes:
-        name: "tensorwise", "rowwise" or "rowwise_with_gw_hp".
-        input, weight, grad_output: float8 dtypes of the three GEMM operands.
+        name: a key of `RECIPES`.
+        input, weight, grad_output: float8 dtypes of the three GEMM operands (for a
+            block-scaled recipe, MXFP8's element dtype; NVFP4's elements are e2m1).
         rowwise: scales per row/column over the contraction dim, else one per tensor.
         pow2_scales: round every scale down to a power of two.
         fast_accum_output: `use_fast_accum` of the output GEMM (the gradient GEMMs never).
         weight_tensorwise_for_grad_input: the weight of the grad_input GEMM gets one scale
             for the tensor even in a rowwise recipe.
         grad_weight_hp: the grad_weight GEMM runs in the operands' own dtype, not float8.
+        block: "mxfp8" or "nvfp4" for a block-scaled recipe (every operand of the three
+            GEMMs in blocks along its reduction dim, fxamp/float8/block_gemm.py), else None.
     """
 
     name: str
@@ -51,6 +58,7 @@ class Recipe:
     fast_accum_output: bool = True
     weight_tensorwise_for_grad_input: bool = False
     grad_weight_hp: bool = False
+    block: Optional[str] = None
 
 
 RECIPES: dict[str, Recipe] = {
@@ -59,7 +67,10 @@ RECIPES: dict[str, Recipe] = {
     "rowwise_with_gw_hp": Recipe("rowwise_with_gw_hp", E4M3, E4M3, E4M3, rowwise=True,
                                  pow2_scales=True, weight_tensorwise_for_grad_input=True,
                                  grad_weight_hp=True),
+    "mxfp8": Recipe("mxfp8", E4M3, E4M3, E4M3, rowwise=False, pow2_scales=True, block="mxfp8"),
+    "nvfp4": Recipe("nvfp4", E4M3, E4M3, E4M3, rowwise=False, pow2_scales=False, block="nvfp4"),
 }
+BLOCK_RECIPES = tuple(name for name, r in RECIPES.items() if r.block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +78,7 @@ class Float8Config:
     """Which GEMMs run in float8, and how.
 
     Attributes:
-        recipe: "tensorwise", "rowwise" or "rowwise_with_gw_hp" (`RECIPES`).
+        recipe: "tensorwise", "rowwise", "rowwise_with_gw_hp", "mxfp8" or "nvfp4" (`RECIPES`).
         scaling: "dynamic" (scales from the tensor itself, every step) or "delayed" (scales
             from an amax history kept in device buffers; tensorwise only).
         history_len: length of the amax history for delayed scaling.
@@ -78,6 +89,9 @@ class Float8Config:
             attn @ v) run in float8 too; off by default (Note [Batched float8 GEMMs]).
         max_batch: batched GEMMs with more entries stay in the model dtype (each entry is
             one `torch._scaled_mm` call in the graph).
+        mx_scale_mode: how recipe="mxfp8" rounds its power-of-two block scales, one of
+            `MX_SCALE_MODES` (torchao's `ScaleCalculationMode`; "rceil" is torchtitan's
+            default). Only the default for the other recipes.
     """
 
     recipe: str = "tensorwise"
@@ -87,6 +101,7 @@ class Float8Config:
     min_dim: int = 64
     batched_activations: bool = False
     max_batch: int = 64
+    mx_scale_mode: str = "rceil"
 
     def __post_init__(self) -> None:
         if isinstance(self.skip_modules, list):
@@ -100,6 +115,7 @@ class Float8Config:
         if self.scaling == "delayed" and self.recipe != "tensorwise":
             raise ConfigError(f"float8 scaling='delayed' works with recipe='tensorwise', not "
                               f"{self.recipe!r} (one amax per tensor is what a history keeps)")
+        self._check_mx_scale_mode()
         if type(self.batched_activations) is not bool:
             raise ConfigError(f"float8 batched_activations={self.batched_activations!r} must "
                               "be True or False")
@@ -111,6 +127,14 @@ class Float8Config:
                 isinstance(p, str) for p in self.skip_modules):
             raise ConfigError(f"float8 skip_modules={self.skip_modules!r} must be a tuple of "
                               "module paths (globs allowed) or class names")
+
+    def _check_mx_scale_mode(self) -> None:
+        if self.mx_scale_mode not in MX_SCALE_MODES:
+            raise ConfigError(f"float8 mx_scale_mode={self.mx_scale_mode!r} is not one of "
+                              f"{', '.join(map(repr, MX_SCALE_MODES))}")
+        if self.mx_scale_mode != "rceil" and self.recipe != "mxfp8":
+            raise ConfigError(f"float8 mx_scale_mode={self.mx_scale_mode!r} applies to "
+                              f"recipe='mxfp8', not {self.recipe!r} (leave it 'rceil')")
 
     @property
     def spec(self) -> Recipe:
@@ -134,12 +158,23 @@ def recipe_refusal(recipe: str, device_type: str, dtype: Optional[torch.dtype]) 
     float8 pass (check_float8_support) and the planner ask."""
     from fxamp._compat import scaled_mm_refusal  # lazily: _compat imports torch._dynamo
 
+    if RECIPES[recipe].block:
+        return _block_refusal(recipe, device_type)
     rowwise = RECIPES[recipe].rowwise
     why = scaled_mm_refusal(device_type, rowwise,
                             torch.bfloat16 if rowwise else (dtype or torch.float32))
     if why is None:
         return None
     return f"torch._scaled_mm refused a {'row' if rowwise else 'tensor'}-scaled float8 GEMM ({why})"
+
+
+def _block_refusal(recipe: str, device_type: str) -> Optional[str]:
+    # Note [Block-scaled recipes are emulated only] in fxamp/float8/block_gemm.py
+    if lowering_for(torch.device(device_type)) == "emulated":
+        return None
+    return (f"the {recipe} recipe has only the emulated lowering (CPU); its {device_type} "
+            "lowering, torch._scaled_mm with block scales on compute capability 10.0+, is not "
+            "implemented")
 
 
 def check_float8_support(f8: Optional[Float8Config], device_type: str,
@@ -149,9 +184,12 @@ def check_float8_support(f8: Optional[Float8Config], device_type: str,
     if f8 is None:
         return
     why = recipe_refusal(f8.recipe, device_type, dtype)
-    if why is not None:
-        raise ConfigError(
-            f"float8 recipe {f8.recipe!r} cannot run on {device_type!r} with torch "
-            f"{torch.__version__}: {why}. Use recipe='tensorwise'"
-            f"{'' if f8.spec.rowwise else ' on a GPU with compute capability 8.9+'}, a newer "
-            "torch, or float8=None")
+    if why is None:
+        return
+    if f8.spec.block:
+        fix = f"recipe='tensorwise' or 'rowwise', the CPU for {f8.recipe!r}"
+    else:
+        fix = ("recipe='tensorwise'" + ("" if f8.spec.rowwise else " on a GPU with compute "
+                                        "capability 8.9+") + ", a newer torch")
+    raise ConfigError(f"float8 recipe {f8.recipe!r} cannot run on {device_type!r} with torch "
+                      f"{torch.__version__}: {why}. Use {fix}, or float8=None")

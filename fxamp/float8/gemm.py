@@ -19,6 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from fxamp._compat import scaled_mm
+from fxamp.float8.block_gemm import BlockScaledMM
 from fxamp.float8.config import RECIPES, Recipe
 from fxamp.float8.emulated import emulated_scaled_mm, lowering_for
 from fxamp.float8.scaling import amax_to_scale, cast_to_float8, delayed_scale
@@ -165,15 +166,25 @@ def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a, b) if a.dim() == 2 else torch.bmm(a, b)
 
 
+def _apply(a: torch.Tensor, b: torch.Tensor, recipe: str, history_a: Optional[torch.Tensor],
+           history_b: Optional[torch.Tensor], update: bool, mx_scale_mode: str) -> torch.Tensor:
+    # the block-scaled recipes have their own GEMM (fxamp/float8/block_gemm.py), no histories
+    if RECIPES[recipe].block:
+        return BlockScaledMM.apply(a, b, recipe, mx_scale_mode)
+    return Float8MM.apply(a, b, recipe, history_a, history_b, update)
+
+
 def float8_matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
                   history_a: Optional[torch.Tensor] = None,
                   history_b: Optional[torch.Tensor] = None, *, alpha: float = 1,
-                  beta: float = 1, update_history: bool = True) -> torch.Tensor:
+                  beta: float = 1, update_history: bool = True,
+                  mx_scale_mode: str = "rceil") -> torch.Tensor:
     """`beta * bias + alpha * (a @ b)` for a [..., K] and a 2-D b [K, N], in float8 (mm,
     matmul, addmm). `update_history`: push the amaxes into the histories (delayed scaling;
-    Note [Eval forwards leave the histories alone])."""
-    out = Float8MM.apply(a.reshape(-1, a.shape[-1]), b, recipe, history_a, history_b,
-                         update_history)
+    Note [Eval forwards leave the histories alone]). `mx_scale_mode`: recipe="mxfp8"'s
+    scale rounding (`Float8Config.mx_scale_mode`)."""
+    out = _apply(a.reshape(-1, a.shape[-1]), b, recipe, history_a, history_b, update_history,
+                 mx_scale_mode)
     return _epilogue(out.reshape(*a.shape[:-1], out.shape[-1]), bias, alpha, beta)
 
 
@@ -190,27 +201,28 @@ def _epilogue(out: torch.Tensor, bias: Optional[torch.Tensor], alpha: float,
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   recipe: str, history_x: Optional[torch.Tensor] = None,
                   history_w: Optional[torch.Tensor] = None, *,
-                  update_history: bool = True) -> torch.Tensor:
+                  update_history: bool = True, mx_scale_mode: str = "rceil") -> torch.Tensor:
     """`F.linear(x, weight, bias)` in float8: torchao's `Float8Linear.forward`."""
     return float8_matmul(x, weight.t(), bias, recipe, history_x, history_w,
-                         update_history=update_history)
+                         update_history=update_history, mx_scale_mode=mx_scale_mode)
 
 
 def float8_bmm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
                history_a: Optional[torch.Tensor] = None,
                history_b: Optional[torch.Tensor] = None, *, alpha: float = 1,
-               beta: float = 1, update_history: bool = True) -> torch.Tensor:
+               beta: float = 1, update_history: bool = True,
+               mx_scale_mode: str = "rceil") -> torch.Tensor:
     """`beta * bias + alpha * (a @ b)` for batched a [..., M, K] and b [..., K, N] in float8
     (bmm, baddbmm, batched matmul; Note [Batched float8 GEMMs]). A `b` with a single batch
     entry (the source of a broadcast: a linear written as a bmm) is one flattened 2-D GEMM,
     in b's dtype cast to a's; otherwise each batch entry is its own GEMM."""
     k, n = b.shape[-2:]
     if b.shape[:-2].numel() == 1:
-        out = Float8MM.apply(a.reshape(-1, k), b.reshape(k, n).to(a.dtype), recipe, history_a,
-                             history_b, update_history)
+        out = _apply(a.reshape(-1, k), b.reshape(k, n).to(a.dtype), recipe, history_a,
+                     history_b, update_history, mx_scale_mode)
         out = out.reshape(*a.shape[:-1], n)
     else:
-        out = Float8MM.apply(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n), recipe,
-                             history_a, history_b, update_history)
+        out = _apply(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n), recipe, history_a,
+                     history_b, update_history, mx_scale_mode)
         out = out.reshape(*a.shape[:-1], n)
     return _epilogue(out, bias, alpha, beta)

@@ -20,6 +20,7 @@ import torch.fx as fx
 
 from fxamp._compat import SET_GRAD_ENABLED, detect_fake_mode, size_hint, size_rule_holds
 from fxamp.config import AmpConfig
+from fxamp.float8.block_gemm import block_reason, block_shape_refusal
 from fxamp.float8.config import Float8Config
 from fxamp.float8.delayed import PREFIX, Float8History, history_name
 from fxamp.float8.gemm import float8_bmm, float8_linear, float8_matmul
@@ -91,7 +92,10 @@ def _flops(node: fx.Node) -> int:
 def _shape_refusal(shape: tuple, f8: Float8Config) -> Optional[str]:
     m, k, n = shape
     symbolic = "" if all(isinstance(d, int) for d in shape) else " (or data-dependent)"
-    if not all(size_rule_holds(d % 16 == 0) for d in shape):
+    block = f8.spec.block and block_shape_refusal(shape, f8.spec.block)
+    if block:
+        return block
+    if not f8.spec.block and not all(size_rule_holds(d % 16 == 0) for d in shape):
         return (f"M x K x N = {m} x {k} x {n}: not all multiples of 16{symbolic} "
                 "(torch._scaled_mm)")
     if not all(size_rule_holds(d >= f8.min_dim) for d in (k, n)):
@@ -132,12 +136,16 @@ def _refusal(node: fx.Node, ops: GemmOperands, config: AmpConfig,
 
 def _why(ops: GemmOperands, config: AmpConfig) -> str:
     r = config.float8.spec
-    why = (f"{r.name}: {short_dtype(r.input)} x {short_dtype(r.weight)}, grad "
-           f"{short_dtype(r.grad_output)}"
-           f"{', grad_weight ' + short_dtype(ops.a.dtype) if r.grad_weight_hp else ''}, "
-           f"{short_dtype(ops.a.dtype)} out")
+    if r.block:
+        why = f"{block_reason(config.float8)}; {short_dtype(ops.a.dtype)} out"
+    else:
+        why = (f"{r.name}: {short_dtype(r.input)} x {short_dtype(r.weight)}, grad "
+               f"{short_dtype(r.grad_output)}"
+               f"{', grad_weight ' + short_dtype(ops.a.dtype) if r.grad_weight_hp else ''}, "
+               f"{short_dtype(ops.a.dtype)} out")
     if ops.batch:
-        why += f"; {ops.batch} GEMMs, one per batch entry, scaled per entry"
+        why += f"; {ops.batch} GEMMs, one per batch entry"
+        why += "" if r.block else ", scaled per entry"
     elif ops.flattened:
         why += "; one flattened GEMM (the right operand has one batch entry)"
     return why
@@ -274,6 +282,8 @@ def rewrite_gemms(gm: fx.GraphModule, config: AmpConfig,
             continue
         fn, args, kwargs = _replacement(gm, node)
         args = (*args, config.float8.recipe)
+        if config.float8.spec.block and config.float8.mx_scale_mode != "rceil":
+            kwargs = {**kwargs, "mx_scale_mode": config.float8.mx_scale_mode}
         if history is not None:
             args = (*args, *_history_args(gm, node, history, names[node], choice.batch))
             kwargs = kwargs if modes[node] else {**kwargs, "update_history": False}

@@ -1,0 +1,100 @@
+"""The block-scaled recipes' GEMM (`mxfp8`, `nvfp4`): forward and both backward GEMMs, each
+operand quantized along its own reduction dim from the high-precision tensor, emulated.
+
+Note [Block-scaled recipes are emulated only]
+Every GEMM of `BlockScaledMM` is `blockscaled_mm`'s: each operand fake-quantized (quantized in
+blocks along the GEMM's reduction dim, dequantized to float32), a float32 matmul, one rounding
+to the output dtype. That is the emulated lowering of float8 (Note [The emulated float8
+lowering] in fxamp/float8/emulated.py) with block scales instead of row or tensor ones, and it
+is the only lowering written: on CUDA, where float8 GEMMs lower to `torch._scaled_mm`, the
+block-scaled one (scales swizzled into the 128x4 layout, compute capability 10.0+) is not, so
+`recipe_refusal` refuses `mxfp8` and `nvfp4` there by name.
+
+Operand by operand, for out = a [M, K] @ b [K, N] (b the weight, `w.t()` of a linear):
+  output       a along K,   b along K
+  grad_input   grad along N, b.t() along N
+  grad_weight  a.t() along M, grad along M
+A rowwise and a columnwise quantization of one tensor are two quantizations (two sets of
+blocks), never the transpose of one. NVFP4 quantizes b in 16x16 tiles (torchao's 2-D weight
+blocks, so b and b.t() get the same values) and everything else in blocks of 16, rounding to
+nearest: torchao's training recipe's random Hadamard transform on the grad_weight operands and
+stochastic rounding of gradients are not applied (docs/float8.md, "Block-scaled formats").
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fxamp._compat import size_hint, size_rule_holds
+from fxamp.float8.blocks import FORMATS
+from fxamp.float8.blockscaled import BlockFormat, fake_quantize, linear_refusal
+from fxamp.float8.config import Float8Config
+
+__all__ = ["BlockScaledMM", "block_formats", "block_mm", "block_reason", "block_shape_refusal"]
+
+
+def block_formats(recipe: str, mx_scale_mode: str = "rceil") -> tuple[BlockFormat, BlockFormat]:
+    """The formats of a recipe's operands: (activations and gradients, the weight `b`)."""
+    if recipe == "mxfp8":
+        fmt = BlockFormat("mxfp8", mode=mx_scale_mode)
+        return fmt, fmt
+    if recipe == "nvfp4":
+        return BlockFormat("nvfp4"), BlockFormat("nvfp4", tiles=True)
+    raise ValueError(f"block-scaled recipe {recipe!r} is not one of 'mxfp8', 'nvfp4'")
+
+
+def _t(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(-2, -1)
+
+
+def block_mm(a: torch.Tensor, b: torch.Tensor, a_format: BlockFormat, b_format: BlockFormat,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """`blockscaled_mm(a, b, ...)` for a [..., M, K] and b [..., K, N] (batched b too): a along
+    dim -1, b along dim -2, tiles over the other of the last two dims."""
+    a_dq = fake_quantize(a, a_format, dim=-1, other_dim=-2)
+    b_dq = fake_quantize(b, b_format, dim=-2, other_dim=-1)
+    return torch.matmul(a_dq, b_dq).to(out_dtype)
+
+
+class BlockScaledMM(torch.autograd.Function):
+    """a [M, K] @ b [K, N] (or batched, [B, M, K] @ [B, K, N]) with all three GEMMs
+    block-scaled (Note [Block-scaled recipes are emulated only]). Saves the high-precision
+    operands, as Float8MM does: every backward operand is quantized anew along its own dim."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, recipe: str,
+                mx_scale_mode: str = "rceil") -> torch.Tensor:
+        act, weight = block_formats(recipe, mx_scale_mode)
+        ctx.save_for_backward(a, b)
+        ctx.formats = act, weight
+        return block_mm(a, b, act, weight, a.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        a, b = ctx.saved_tensors
+        act, weight = ctx.formats
+        grad_a = block_mm(grad, _t(b), act, weight, grad.dtype)
+        grad_b = block_mm(_t(a), grad, act, act, grad.dtype)
+        return grad_a, grad_b, None, None
+
+
+def block_shape_refusal(shape: tuple, fmt: str) -> Optional[str]:
+    """Why a GEMM of M x K x N (ints or SymInts) cannot train in `fmt`, or None: each of the
+    three GEMMs blocks its own reduction dim (`linear_refusal`). A symbolic size is decided,
+    and guarded on, first (Note [Float8 GEMMs at symbolic shapes]); the sentence is
+    `linear_refusal`'s at the traced sizes."""
+    if all(size_rule_holds(d % FORMATS[fmt] == 0) for d in shape):
+        return None
+    why = linear_refusal(fmt, *(size_hint(d) or 0 for d in shape))
+    return why if all(isinstance(d, int) for d in shape) else f"{why} (or data-dependent)"
+
+
+def block_reason(f8: Float8Config) -> str:
+    """What a block-scaled recipe does to a GEMM, as explain() prints it."""
+    if f8.recipe == "mxfp8":
+        what = f"e4m3 in blocks of 32, e8m0 scales ({f8.mx_scale_mode})"
+    else:
+        what = "e2m1 in blocks of 16 (weight 16x16), e4m3 scales, round to nearest"
+    return f"{f8.recipe}: {what}, all three GEMMs, emulated"
