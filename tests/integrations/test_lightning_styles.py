@@ -387,9 +387,9 @@ def test_a_torch_compiled_lightning_module_is_refused_untouched():
     assert fxamp.config_of(model) is not None
 
 
-def test_a_module_compiled_by_fxamp_without_its_steps_is_refused():
+def test_a_module_compiled_by_fxamp_without_its_layers_is_refused():
     model = fxamp.compile(Classifier(), opt_level="O1", compiler="aot_eager")
-    with pytest.raises(ConfigError, match="training_step"):
+    with pytest.raises(ConfigError, match="compiles its call but not its layers"):
         _trainer(_fxamp("O1"), max_steps=1).fit(model, _loader())
 
 
