@@ -9,6 +9,7 @@ takes. aot_eager, CPU.
 """
 
 import functools
+import inspect
 import logging
 from unittest import mock
 
@@ -212,9 +213,21 @@ def test_the_layers_a_step_calls_are_compiled_and_the_helpers_are_not():
 
 
 # ------------------------------------------------------------------ 4. Lightning's own tests
+def _members(cls):
+    return {name for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
+            if not name.startswith("_")}
+
+
+def _lightning_hooks():
+    # test_hooks.py's choice: LightningModule's members but log and optimizers, and of
+    # nn.Module's only forward, zero_grad and train.
+    hooks = _members(L.LightningModule) - {"optimizers", "log", "log_dict"}
+    return sorted(hooks - (_members(torch.nn.Module) - {"forward", "zero_grad", "train"}))
+
+
 class _Hooked(Tutorial):
     """tests_pytorch/models/test_hooks.py's HookedModel: every LightningModule hook, steps
-    included, replaced on the instance by a partial that records the call."""
+    and forward included, replaced on the instance by a partial that records the call."""
 
     def __init__(self, called, automatic=True):
         super().__init__(torch.nn.CrossEntropyLoss())
@@ -224,8 +237,7 @@ class _Hooked(Tutorial):
             called.append(hook)
             return fn(*args, **kwargs)
 
-        for hook in ("training_step", "validation_step", "on_train_batch_start",
-                     "on_before_backward", "on_after_backward", "on_before_optimizer_step"):
+        for hook in _lightning_hooks():
             attr = getattr(self, hook)
             partial = functools.partial(call, hook, attr)
             functools.update_wrapper(partial, attr)
