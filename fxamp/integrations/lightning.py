@@ -64,7 +64,7 @@ class Precision(LightningPrecision):
         ConfigError: a bad opt level, override or scaler (at construction); at `fit` (and
             validate, test, predict), before anything changes: a strategy other than one
             device or DDP (FSDP, DeepSpeed, ...), a LightningModule compiled with
-            torch.compile, or one `fxamp.compile` prepared without its steps; float16
+            torch.compile, or one `fxamp.compile` prepared (not its layers); float16
             weights stepped by a torch.optim optimizer (no fp32 masters; the module is then
             put back as it was). Each message names the fix.
     """
@@ -195,7 +195,7 @@ def _check_uncompiled(module: torch.nn.Module) -> None:
             f"{type(module).__name__} was compiled with torch.compile, and Lightning runs its "
             "steps with that compile's backend, not fxamp's: pass the LightningModule itself "
             "(lightning.pytorch.utilities.compile.to_uncompiled(model) gives it back); the "
-            "plugin compiles it and its steps (compiler='inductor' unless you name another)")
+            "plugin compiles it and its layers (compiler='inductor' unless you name another)")
 
 
 def _check_strategy(module: torch.nn.Module) -> None:

@@ -173,8 +173,10 @@ def prepare(model_or_fn: Callable[..., Any], config: Optional[AmpConfig], *,
         resolved = check_model(model_or_fn, backend.config)
         check_methods(model_or_fn, settings.methods)
         model = model_or_fn if in_place else copy.deepcopy(model_or_fn)
+        # Everything is checked: from here on it changes. A loss or a metric is not the
+        # model's (Note [A step calls the model's layers]).
         helpers = [p for p, _ in split_children(model)[1]] if settings.layers else []
-        record = cast_model(model, resolved, leave=helpers)  # everything is checked: from here on it changes
+        record = cast_model(model, resolved, leave=helpers)
     else:
         _check_no_request(config, existing)
         resolved, record = existing, None
