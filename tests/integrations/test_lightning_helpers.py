@@ -105,8 +105,8 @@ def test_a_loss_module_at_o2_fp16_is_fp32_and_skips_no_step_as_16_mixed():
     assert int(plugin.scaler.skipped_steps) == 0 and ref_plugin.scaler.get_scale() == 2.0**16
     assert all(loss.dtype == torch.float32 for loss in model.losses)
     losses, ref_losses = torch.stack(model.losses), torch.stack(ref.losses)
-    assert ((losses - ref_losses).abs() / ref_losses).max() < 1e-2
-    assert (_weights(model) - _weights(ref)).abs().max() < 2e-2
+    assert ((losses - ref_losses).abs() / ref_losses).max() < 1e-3
+    assert (_weights(model) - _weights(ref)).abs().max() < 2e-3
 
 
 def test_a_mse_loss_module_with_large_targets_logs_finite_losses_as_16_mixed():
@@ -119,7 +119,7 @@ def test_a_mse_loss_module_with_large_targets_logs_finite_losses_as_16_mixed():
     _fit(model, _fxamp("O2", "16"), data)
     losses, ref_losses = torch.stack(model.losses), torch.stack(ref.losses)
     assert torch.isfinite(ref_losses).all() and torch.isfinite(losses).all()
-    assert ((losses - ref_losses).abs() / ref_losses).max() < 5e-2
+    assert ((losses - ref_losses).abs() / ref_losses).max() < 1e-3
 
 
 def test_a_loss_module_with_a_weight_buffer_keeps_it_fp32():
