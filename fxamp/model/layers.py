@@ -64,7 +64,9 @@ def compile_layers(model: torch.nn.Module,
 def _dispatch(compiled: Callable[..., Any], own: Any) -> Callable[..., Any]:
     def forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # inside the model's own graph: traced inline
-            return (own or types.MethodType(type(layer).forward, layer))(*args, **kwargs)
+            if own is None:
+                return type(layer).forward(layer, *args, **kwargs)
+            return own(*args, **kwargs)
         return compiled(layer, *args, **kwargs)
 
     return forward

@@ -341,3 +341,23 @@ def test_a_step_compiled_by_the_user_still_runs_in_the_precision():
     torch.testing.assert_close(torch.stack(runs[1].losses), torch.stack(runs[0].losses),
                                rtol=1e-3, atol=1e-3)
     assert fxamp.config_of(runs[1]).opt_level == "O1"
+
+
+def test_the_modules_call_is_one_graph_with_its_layers_inline():
+    class WithForward(Tutorial):
+        def forward(self, x):
+            return self.head(self.encoder(x))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return self.criterion(self(x), y)
+
+    model = WithForward(torch.nn.CrossEntropyLoss())
+    _fxamp("O2").convert_module(model)
+    x, y = torch.randn(BATCH, FEATURES), torch.randint(0, CLASSES, (BATCH,))
+    loss = model.training_step((x, y), 0)
+    graphs = fxamp.backend_of(model).compiled_graphs
+    assert len(graphs) == 1 and loss.dtype == torch.float32
+    # the layers' own graphs come only when a step calls them itself
+    torch.testing.assert_close(model.head(model.encoder(x)), model(x))
+    assert len(graphs) == 3
