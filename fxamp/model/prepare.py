@@ -24,7 +24,7 @@ from fxamp.model.cast_model import CastRecord, boundary_forward, cast_model, hoo
 from fxamp.model.compiled_call import CompiledCall, FirstCall, fxamp_error
 from fxamp.config import AmpConfig
 from fxamp.model.copies import forget_copyable, make_copyable
-from fxamp.model.layers import compile_layers, split_children
+from fxamp.model.layers import LAYER_ENTRY, compile_layers, split_children
 from fxamp.model.eager_regions import untraced_modules, warn_untraced, with_policy_autocast
 from fxamp.model.methods import check_methods, compile_methods
 from fxamp.errors import ConfigError
@@ -266,13 +266,16 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
         return CompiledCall(with_policy_autocast(compiled, fxamp_backend.config,
                                                  recurrent=_has_recurrent(layer)), first)
 
-    if settings.layers and initialised:  # Note [A step calls the model's layers]
-        compile_layers(model, layer_entry, undo)
+    if settings.layers:  # Note [A step calls the model's layers]
+        model.__dict__[LAYER_ENTRY] = layer_entry  # a copy's layers compile with it
+        undo.callback(model.__dict__.pop, LAYER_ENTRY, None)
+        if initialised:
+            compile_layers(model, layer_entry, undo)
     setattr(model, _BACKEND_ATTR, fxamp_backend)
     undo.callback(delattr, model, _BACKEND_ATTR)
     # Note [Copies keep the compiled call]
     make_copyable(model, _rebuild_copy, (fxamp_backend.config, settings),
-                  (_BACKEND_ATTR, *settings.methods))
+                  (_BACKEND_ATTR, LAYER_ENTRY, *settings.methods))
     undo.callback(forget_copyable, model)
 
 

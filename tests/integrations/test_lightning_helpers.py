@@ -361,3 +361,17 @@ def test_the_modules_call_is_one_graph_with_its_layers_inline():
     # the layers' own graphs come only when a step calls them itself
     torch.testing.assert_close(model.head(model.encoder(x)), model(x))
     assert len(graphs) == 3
+
+
+def test_a_copys_layers_compile_with_the_copys_backend():
+    import copy
+    model = Tutorial(torch.nn.CrossEntropyLoss())
+    _fxamp("O2").convert_module(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.head.weight.zero_(), twin.head.bias.zero_()
+    x = torch.randn(BATCH, FEATURES)
+    assert twin.head(twin.encoder(x)).abs().max() == 0
+    assert model.head(model.encoder(x)).abs().max() > 0
+    assert len(fxamp.backend_of(twin).compiled_graphs) == 2  # its encoder and head
+    assert fxamp.backend_of(twin) is not fxamp.backend_of(model)
