@@ -17,6 +17,7 @@ import torch
 from fxamp import _compat
 from fxamp.config import AmpConfig
 from fxamp.policy import LOW_DTYPES, CastPolicy
+from fxamp.model.layers import holds_parameters
 from fxamp.provenance import boundary_casts
 from fxamp.policy.rules import match_module_override
 
@@ -165,7 +166,7 @@ def hook_outer_calls(model: torch.nn.Module, config: AmpConfig) -> list[Any]:
         return []
     calls, handles = OuterCalls(model, config), []
     # A module that holds no parameters (a loss, a metric) is not the model's: no boundary.
-    for module in (m for m in model.modules() if any(True for _ in m.parameters())):
+    for module in filter(holds_parameters, model.modules()):
         handles.append(module.register_forward_pre_hook(calls.enter, with_kwargs=True))
         handles.append(module.register_forward_hook(calls.leave, always_call=True))
     return handles
