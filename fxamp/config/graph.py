@@ -51,8 +51,9 @@ class GraphConfig:
             (docs/planner.md); explain() prints each with the decisions of its module.
         model_boundary: where O0/O2/O3 cast floating inputs to the model dtype and outputs to
             `cast_model_outputs`: "call" (Apex's: the model's call, and the graphs' fp32
-            inputs), or "modules" (each module call made from outside the model's modules,
-            and no graph input: Note [Methods compiled with the model]; the Lightning plugin's).
+            inputs), or "modules" (each call of a module holding parameters made from outside
+            the model's modules, and no graph input: Note [A step calls the model's layers];
+            the Lightning plugin's).
     """
 
     opt_level: str = "O1"

@@ -2,11 +2,14 @@
 
 # Note [fxamp's Lightning plugin]
 It does what Lightning's own `MixedPrecision` plugin does with a GradScaler, with fxamp's parts:
-`convert_module` compiles the LightningModule in place with fxamp, its call and the step
-methods its class defines (`training_step`, `validation_step`, `test_step`, `predict_step`:
-what Lightning's autocast covers, Note [Methods compiled with the model]), for the device of
-the Trainer's strategy, before `configure_optimizers` (so an fxamp optimizer built there gets
-the 16-bit weights and keeps fp32 masters); `pre_backward` scales the loss; `optimizer_step`
+`convert_module` compiles the LightningModule in place with fxamp, its call and each of its
+layers (the outermost submodules that hold parameters, which a step calls directly), for the
+device of the Trainer's strategy, before `configure_optimizers` (so an fxamp optimizer built
+there gets the 16-bit weights and keeps fp32 masters). The steps themselves run eagerly, as
+under Lightning's autocast: what they call that is not the model (a loss module, a torchmetrics
+metric, a parameterless helper) runs in its own dtype on the layers' outputs, under autocast at
+O1 (`forward_context`, as Lightning's), in fp32 on fp32 outputs at O2/O3 (Note [A step calls
+the model's layers] in docs/design.md); `pre_backward` scales the loss; `optimizer_step`
 runs Lightning's closure (forward, backward), unscales with the LossScaler's GradScaler
 protocol so that the `on_before_optimizer_step` hooks and `gradient_clip_val` see unscaled
 gradients, then
@@ -18,11 +21,11 @@ and the skipped-step count are logged as device tensors, and the scaler is check
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Generator, Optional, Union
 
 import torch
-from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision as LightningPrecision
 from lightning.pytorch.strategies import (DDPStrategy, DeepSpeedStrategy, SingleDeviceStrategy,
                                           SingleDeviceXLAStrategy, XLAStrategy)
@@ -37,7 +40,6 @@ from fxamp.master_weights import check_master_weights
 __all__ = ["Precision"]
 
 _AUTO = "auto"
-_STEPS = ("training_step", "validation_step", "test_step", "predict_step")
 # DeepSpeed and XLA derive from DDP and the single-device strategy, and are not supported.
 _SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
 _UNSUPPORTED_STRATEGIES = (DeepSpeedStrategy, XLAStrategy, SingleDeviceXLAStrategy)
@@ -62,7 +64,7 @@ class Precision(LightningPrecision):
         ConfigError: a bad opt level, override or scaler (at construction); at `fit` (and
             validate, test, predict), before anything changes: a strategy other than one
             device or DDP (FSDP, DeepSpeed, ...), a LightningModule compiled with
-            torch.compile, or one `fxamp.compile` prepared without its steps; float16
+            torch.compile, or one `fxamp.compile` prepared (not its layers); float16
             weights stepped by a torch.optim optimizer (no fp32 masters; the module is then
             put back as it was). Each message names the fix.
     """
@@ -73,8 +75,8 @@ class Precision(LightningPrecision):
                  fullgraph: bool = False, log_scale: bool = True, **overrides: Any) -> None:
         if not (scaler is None or scaler == _AUTO or isinstance(scaler, LossScaler)):
             raise ConfigError(f"scaler={scaler!r} must be 'auto', an fxamp.LossScaler or None")
-        # Each module a step calls is the model Apex casts around (Note [Methods compiled with
-        # the model]).
+        # Each layer a step calls is the model Apex casts around (Note [A step calls the model's
+        # layers]).
         overrides.setdefault("model_boundary", "modules")
         self.config = AmpConfig.from_opt_level(opt_level, **overrides)
         self._compile_kwargs = dict(compiler=compiler, mode=mode, options=options,
@@ -84,23 +86,24 @@ class Precision(LightningPrecision):
         self._pending_state: Optional[dict] = None
         self._compiled_here: Optional["weakref.ref[torch.nn.Module]"] = None
         self.log_scale = log_scale
+        self._autocast: Optional[tuple[str, torch.dtype]] = None  # set by convert_module
         self.precision = _precision_name(self.config)
 
     # ------------------------------------------------------------------ model and optimizers
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Compile the module in place with fxamp, its call and its step methods, for the
-        strategy's device (O2/O3: its weights become 16-bit here)."""
+        """Compile the module in place with fxamp, its call and its layers, for the strategy's
+        device (O2/O3: its weights become 16-bit here)."""
         _check_strategy(module)
-        steps = _steps_of(module)
         if config_of(module) is None:
             _check_uncompiled(module)
-            settings = CompileSettings(**self._compile_kwargs, methods=steps)
+            settings = CompileSettings(**self._compile_kwargs, layers=True)
             prepare(module, _for_device(self.config, module), settings=settings)
             self._compiled_here = weakref.ref(module)
         else:
-            _check_steps_compiled(module, steps)
+            _check_layers_compiled(module)
         config = config_of(module)
         self.precision = _precision_name(config)
+        self._autocast = _step_autocast(config)
         if self._auto_scaler and self.scaler is None and _scales(config):
             self.scaler = LossScaler.from_config(config)
         if self.scaler is not None and self._pending_state is not None:
@@ -123,6 +126,18 @@ class Precision(LightningPrecision):
                     self.scaler = None
             raise
         return model, optimizers, lr_schedulers
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Lightning runs each step in it: at O1 the steps' own code runs under autocast, as
+        with Lightning's "bf16-mixed" / "16-mixed" (a loss module, a metric: autocast's rules);
+        O0, O2 and O3 run it as it is (the layers' floating outputs come back in fp32)."""
+        if self._autocast is None:
+            yield
+            return
+        device_type, dtype = self._autocast
+        with torch.autocast(device_type, dtype=dtype, cache_enabled=False):
+            yield
 
     # ---------------------------------------------------------------- backward and the step
     # Disabled for Dynamo, as Lightning's own logging is: a compiled step reaches them in manual
@@ -174,20 +189,13 @@ class Precision(LightningPrecision):
             self._pending_state = dict(state_dict)  # the scaler is made in convert_module
 
 
-def _steps_of(module: torch.nn.Module) -> tuple[str, ...]:
-    """The step methods the module's class defines (Lightning calls only those; the default
-    predict_step calls the module, whose call fxamp compiles anyway)."""
-    return tuple(name for name in _STEPS if getattr(type(module), name, None)
-                 is not getattr(LightningModule, name, None))
-
-
 def _check_uncompiled(module: torch.nn.Module) -> None:
     if getattr(module, "_compiler_ctx", None) is not None:
         raise ConfigError(
             f"{type(module).__name__} was compiled with torch.compile, and Lightning runs its "
             "steps with that compile's backend, not fxamp's: pass the LightningModule itself "
             "(lightning.pytorch.utilities.compile.to_uncompiled(model) gives it back); the "
-            "plugin compiles it and its steps (compiler='inductor' unless you name another)")
+            "plugin compiles it and its layers (compiler='inductor' unless you name another)")
 
 
 def _check_strategy(module: torch.nn.Module) -> None:
@@ -206,14 +214,14 @@ def _check_strategy(module: torch.nn.Module) -> None:
         "precision plugins with that strategy")
 
 
-def _check_steps_compiled(module: torch.nn.Module, steps: tuple[str, ...]) -> None:
-    missing = [s for s in steps if s not in backend_of(module).settings.methods]
-    if missing:
+def _check_layers_compiled(module: torch.nn.Module) -> None:
+    settings = backend_of(module).settings
+    if not settings.layers or backend_of(module).config.model_boundary != "modules":
         raise ConfigError(
             f"{type(module).__name__} was prepared by fxamp.compile, which compiles its call "
-            f"but not its {', '.join(missing)}, so what they run (self.encoder(x), ...) would "
-            "miss fxamp's precision: pass the LightningModule uncompiled; the plugin compiles "
-            "it with its steps")
+            "but not its layers, so what a step calls directly (self.encoder(x), ...) would "
+            "miss fxamp's precision: pass the module uncompiled; the plugin compiles it with "
+            "its layers")
 
 
 def _for_device(config: AmpConfig, module: torch.nn.Module) -> AmpConfig:
@@ -224,6 +232,14 @@ def _for_device(config: AmpConfig, module: torch.nn.Module) -> AmpConfig:
     if config.device_type is not None or trainer is None:
         return config
     return config.resolve(trainer.strategy.root_device.type)
+
+
+def _step_autocast(config: AmpConfig) -> Optional[tuple[str, torch.dtype]]:
+    """The autocast the steps run under: O1's (its layers' outputs are 16-bit, as autocast's),
+    none at O0/O2/O3 (fp32 outputs, or none cast)."""
+    if config.opt_level != "O1" or not config.patch_torch_functions:
+        return None
+    return config.device_type, config.dtype
 
 
 def _scales(config: AmpConfig) -> bool:

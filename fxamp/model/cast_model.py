@@ -17,6 +17,7 @@ import torch
 from fxamp import _compat
 from fxamp.config import AmpConfig
 from fxamp.policy import LOW_DTYPES, CastPolicy
+from fxamp.model.layers import holds_parameters
 from fxamp.provenance import boundary_casts
 from fxamp.policy.rules import match_module_override
 
@@ -164,7 +165,8 @@ def hook_outer_calls(model: torch.nn.Module, config: AmpConfig) -> list[Any]:
                                               and config.output_dtype is None):
         return []
     calls, handles = OuterCalls(model, config), []
-    for module in model.modules():
+    # A module that holds no parameters (a loss, a metric) is not the model's: no boundary.
+    for module in filter(holds_parameters, model.modules()):
         handles.append(module.register_forward_pre_hook(calls.enter, with_kwargs=True))
         handles.append(module.register_forward_hook(calls.leave, always_call=True))
     return handles
@@ -189,8 +191,10 @@ class CastRecord:
         self.originals = []
 
 
-def cast_model(model: torch.nn.Module, config: AmpConfig) -> CastRecord:
-    """Cast floating (non-fp64) parameters and buffers in place; returns what changed.
+def cast_model(model: torch.nn.Module, config: AmpConfig,
+               leave: tuple[str, ...] | list[str] = ()) -> CastRecord:
+    """Cast floating (non-fp64) parameters and buffers in place, but those of the submodules
+    at the paths `leave` and inside them (a step's loss and metrics); returns what changed.
 
     Note [The state dict is the live weights]: `model.state_dict()` is left as torch makes it,
     the stored tensors themselves (16-bit at O2/O3), so code that writes into its values in
@@ -205,7 +209,7 @@ def cast_model(model: torch.nn.Module, config: AmpConfig) -> CastRecord:
     record = CastRecord([])
     for name, module in model.named_modules():
         dtype = storage_dtype(name, module, config)
-        if dtype is None:
+        if dtype is None or any(name == p or name.startswith(p + ".") for p in leave):
             continue
         for tensor in _compat.own_tensors(module):
             if (tensor is not None and tensor.is_floating_point()

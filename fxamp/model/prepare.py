@@ -24,6 +24,7 @@ from fxamp.model.cast_model import CastRecord, boundary_forward, cast_model, hoo
 from fxamp.model.compiled_call import CompiledCall, FirstCall, fxamp_error
 from fxamp.config import AmpConfig
 from fxamp.model.copies import forget_copyable, make_copyable
+from fxamp.model.layers import LAYER_ENTRY, compile_layers, split_children
 from fxamp.model.eager_regions import untraced_modules, warn_untraced, with_policy_autocast
 from fxamp.model.methods import check_methods, compile_methods
 from fxamp.errors import ConfigError
@@ -45,7 +46,9 @@ _BACKEND_ATTR = "_fxamp_backend"
 class CompileSettings:
     """How a prepared model is compiled (kept so that its copies are prepared alike).
     `methods`: methods of the model compiled with its call (Note [Methods compiled with the
-    model])."""
+    model]). `layers`: each outermost submodule that holds parameters is compiled on its own
+    as well, for callers that call it directly, and those that hold none are left as they are
+    (Note [A step calls the model's layers])."""
 
     compiler: Compiler = "inductor"
     mode: Optional[str] = None
@@ -53,6 +56,7 @@ class CompileSettings:
     dynamic: Optional[bool] = None
     fullgraph: bool = False
     methods: tuple[str, ...] = ()
+    layers: bool = False
 
     def backend(self, config: AmpConfig) -> FxampBackend:
         return FxampBackend(config, compiler=self.compiler, mode=self.mode, options=self.options)
@@ -169,7 +173,10 @@ def prepare(model_or_fn: Callable[..., Any], config: Optional[AmpConfig], *,
         resolved = check_model(model_or_fn, backend.config)
         check_methods(model_or_fn, settings.methods)
         model = model_or_fn if in_place else copy.deepcopy(model_or_fn)
-        record = cast_model(model, resolved)  # everything is checked: from here on it changes
+        # Everything is checked: from here on it changes. A loss or a metric is not the
+        # model's (Note [A step calls the model's layers]).
+        helpers = [p for p, _ in split_children(model)[1]] if settings.layers else []
+        record = cast_model(model, resolved, leave=helpers)
     else:
         _check_no_request(config, existing)
         resolved, record = existing, None
@@ -250,11 +257,25 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
         for handle in hook_outer_calls(model, fxamp_backend.config):
             undo.callback(handle.remove)
     compile_methods(model, settings.methods, entry, undo)
+
+    def layer_entry(function: Callable[..., Any], path: str,
+                    layer: torch.nn.Module) -> CompiledCall:
+        compiled = torch.compile(function, backend=fxamp_backend.for_module(path, type(layer)),
+                                 dynamic=settings.dynamic, fullgraph=settings.fullgraph,
+                                 **isolated)
+        return CompiledCall(with_policy_autocast(compiled, fxamp_backend.config,
+                                                 recurrent=_has_recurrent(layer)), first)
+
+    if settings.layers:  # Note [A step calls the model's layers]
+        model.__dict__[LAYER_ENTRY] = layer_entry  # a copy's layers compile with it
+        undo.callback(model.__dict__.pop, LAYER_ENTRY, None)
+        if initialised:
+            compile_layers(model, layer_entry, undo)
     setattr(model, _BACKEND_ATTR, fxamp_backend)
     undo.callback(delattr, model, _BACKEND_ATTR)
     # Note [Copies keep the compiled call]
     make_copyable(model, _rebuild_copy, (fxamp_backend.config, settings),
-                  (_BACKEND_ATTR, *settings.methods))
+                  (_BACKEND_ATTR, LAYER_ENTRY, *settings.methods))
     undo.callback(forget_copyable, model)
 
 

@@ -160,7 +160,9 @@ def test_every_step_runs_in_the_precision_whatever_module_it_calls(level, fxamp_
     assert fxamp.config_of(model).opt_level == level
 
 
-def test_the_steps_are_compiled_by_fxamp_and_still_lightning_steps():
+def test_the_steps_run_fxamps_layers_and_are_still_lightning_steps():
+    # The steps run eagerly (as under Lightning's autocast); the layers they call are
+    # compiled (Note [A step calls the model's layers]).
     model = Classifier()
     plugin = _fxamp("O1")
     plugin.convert_module(model)
@@ -387,18 +389,19 @@ def test_a_torch_compiled_lightning_module_is_refused_untouched():
     assert fxamp.config_of(model) is not None
 
 
-def test_a_module_compiled_by_fxamp_without_its_steps_is_refused():
+def test_a_module_compiled_by_fxamp_without_its_layers_is_refused():
     model = fxamp.compile(Classifier(), opt_level="O1", compiler="aot_eager")
-    with pytest.raises(ConfigError, match="training_step"):
+    with pytest.raises(ConfigError, match="compiles its call but not its layers"):
         _trainer(_fxamp("O1"), max_steps=1).fit(model, _loader())
 
 
-def test_fp16_refusal_puts_the_steps_back():
+def test_fp16_refusal_puts_the_layers_back():
     model = Classifier()  # a torch AdamW over the O2 fp16 weights: refused at fit
     plugin = _fxamp("O2", "16")
     with pytest.raises(ConfigError, match="fxamp.optim.AdamW"):
         _trainer(plugin).fit(model, _loader())
     assert "training_step" not in vars(model) and fxamp.config_of(model) is None
+    assert "forward" not in vars(model.head) and "forward" not in vars(model.encoder)
     assert next(model.parameters()).dtype == torch.float32
 
 
