@@ -178,8 +178,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
     if args.save:
         check_writable(args.save)
     if args.view:
+        check_port(args.port, free=_FREE)  # the user's value first: it needs no install
         check_installed()
-        check_port(args.port, free=_FREE)
 
 
 def _run_explain(args: argparse.Namespace) -> str:
@@ -201,8 +201,8 @@ def _run_explain(args: argparse.Namespace) -> str:
 
 def _run_view(args: argparse.Namespace) -> str:
     read_view(args.file)
+    check_port(args.port, free=_FREE)  # the user's value first: it needs no install
     check_installed()
-    check_port(args.port, free=_FREE)
     return _show(args.file, args)
 
 

@@ -175,8 +175,8 @@ def serve(path: str, *, port: Optional[int] = None, timeout: float = 60.0,
           own_dir: Optional[str] = None) -> Viewer:
     """Start Model Explorer on 127.0.0.1 showing the view saved at `path`; returns once it
     answers. `port`: None picks a free one. `own_dir`, if given, is deleted at stop."""
+    check_port(port)  # the user's value first: it needs no install
     check_installed()
-    check_port(port)
     port = _free_port() if port is None else port
     log_dir = own_dir or tempfile.mkdtemp(prefix="fxamp-viewer-")
     log_path = os.path.join(log_dir, "server.log")
@@ -209,8 +209,8 @@ def show(view: Union[str, Any], *, port: Optional[int] = None, open_browser: boo
     Returns:
         The Viewer (`.url`, `.port`), stopped if `wait`.
     """
+    check_port(port)  # the user's value first: it needs no install
     check_installed()
-    check_port(port)
     own_dir = tempfile.mkdtemp(prefix="fxamp-viewer-")
     path = view if isinstance(view, str) else view.save(os.path.join(own_dir, "view.json"))
     try:
