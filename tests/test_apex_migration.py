@@ -129,7 +129,7 @@ def _distance(weights, reference):
 
 
 @pytest.mark.parametrize("unscale_on_exit", [None, False], ids=["unscaled-grad", "deferred"])
-def test_apex_dcgan_loop_o0_matches_fp32(unscale_on_exit):
+def test_apex_dcgan_loop_o0_matches_fp32(unscale_on_exit, one_script):
     """O0 with a dynamic scale: power-of-two scales unscale exactly, so the weights match plain
     torch.optim.Adam in fp32 within 1e-5 relative (fused Adam's rounding); the amp state dict
     holds Apex's three loss scalers, none moved down."""

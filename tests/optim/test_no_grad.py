@@ -177,3 +177,23 @@ def test_compiled_step_skips_a_parameter_without_gradient():
     _, ref_hist = _run(torch.optim.AdamW, ref_model, align_steps=True, lr=1e-2)
     for got, want in zip(ours_hist[-1], ref_hist[-1]):
         _close(got, want)
+
+
+def test_a_dropped_optimizer_is_freed_while_its_model_lives():
+    # the parameters' gradient hooks (Note [A parameter without a gradient]) must not keep
+    # the optimizer's buckets (fp32 masters, flat buffers) alive once the user drops it
+    import gc
+    import weakref
+
+    import fxamp.optim
+
+    model = torch.nn.Linear(8, 8)
+    opt = fxamp.optim.AdamW(model.parameters(), lr=1e-2, compile=False)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    dropped = [weakref.ref(opt), *map(weakref.ref, opt.buckets)]
+    del opt
+    gc.collect()
+    assert [ref() for ref in dropped] == [None] * len(dropped)
+    model(torch.randn(2, 8)).sum().backward()  # the hooks left behind do nothing
+    assert model.weight.grad is not None

@@ -16,8 +16,8 @@ master.
 
 from __future__ import annotations
 
-import functools
 import logging
+import weakref
 from typing import Iterable, Optional, Sequence
 
 import torch
@@ -45,6 +45,16 @@ log = logging.getLogger(__name__)
 # zeroed before it is reused, so that the step's overflow check and norm see 0 there.
 
 FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _backward_hook(bucket_ref: "weakref.ref[FlatBucket]", i: int):
+    # The parameter holds its hook for as long as the model lives; a weak reference lets an
+    # optimizer the user dropped (its masters, its flat buffers) be freed, as torch's is.
+    def hook(grad: torch.Tensor) -> None:
+        bucket = bucket_ref()
+        if bucket is not None:
+            bucket._on_backward(i, grad)
+    return hook
 class FlatBucket(Bucket):
     """The parameters of one param group that share a dtype, flattened.
 
@@ -79,7 +89,7 @@ class FlatBucket(Bucket):
         for p, g, got in zip(self.params, self.grad_views, self.received):
             p.grad = g if got else None
         self._ptrs = [p.data_ptr() for p in self.params]  # where each lives in this bucket
-        self._hooks = [p.register_hook(functools.partial(self._on_backward, i))
+        self._hooks = [p.register_hook(_backward_hook(weakref.ref(self), i))
                        for i, p in enumerate(self.params)]
         low = master_weights and ref.dtype in LOW_DTYPES
         self.master = self.param.float() if low else None
