@@ -118,8 +118,20 @@ COMPILERS = [dict(compiler="aot_eager"), dict(options={"emulate_precision_casts"
 # NVFP4 through Inductor compiles for 80 s on 2 cores: the slow tier; the default tier runs
 # MXFP8 through Inductor (the same block-scaled GEMM, another quantizer) and NVFP4 through
 # aot_eager.
-_CASES = [pytest.param(recipe, kwargs, id=f"{recipe}-{name}",
-                       marks=[pytest.mark.slow] if (recipe, name) == ("nvfp4", "inductor") else [])
+# torch 2.11's C++ code generation has no float8_e8m0fnu (MXFP8's scales): "torch.float8_e8m0fnu
+# missing from torch._inductor.codegen.cpp.DTYPE_TO_CPP" (InductorError); 2.13 and 2.14 have it.
+# Known difference (docs/float8.md); fxamp does not yet refuse it before compiling.
+_NO_E8M0_CPP = pytest.mark.xfail(
+    torch.torch_version.TorchVersion(torch.__version__) < (2, 13), strict=True,
+    reason="torch 2.11's Inductor C++ codegen has no float8_e8m0fnu")
+
+
+def _marks(recipe, name):
+    return ([pytest.mark.slow] if (recipe, name) == ("nvfp4", "inductor") else []) + (
+        [_NO_E8M0_CPP] if (recipe, name) == ("mxfp8", "inductor") else [])
+
+
+_CASES = [pytest.param(recipe, kwargs, id=f"{recipe}-{name}", marks=_marks(recipe, name))
           for recipe in ("mxfp8", "nvfp4")
           for name, kwargs in zip(("aot_eager", "inductor"), COMPILERS)]
 
