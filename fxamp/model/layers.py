@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import types
 from typing import Any, Callable
 
 import torch
 
-from fxamp.model.sharded_modules import _CompiledForward
+from fxamp.model.sharded_modules import _CompiledForward, forward_code
 
 __all__ = ["split_children", "compile_layers", "holds_parameters", "LAYER_ENTRY"]
 
@@ -91,24 +90,13 @@ def _layer_forward(model: torch.nn.Module, path: str, layer: torch.nn.Module,
                 return type(layer).forward(layer, *args, **kwargs)
             return own(*args, **kwargs)
         if not compiled:
-            compiled.append(entry(_forward_code(model, path, own), path, layer))
+            compiled.append(entry(forward_code(model, path, own, prefix="layer"), path,
+                                  layer))
         return compiled[0](layer, *args, **kwargs)
 
     made = _LayerForward(forward, layer)
     made.where = (model, path)
     return made
-
-
-def _forward_code(model: torch.nn.Module, path: str, own: Any) -> Callable[..., Any]:
-    # A code object of its own per layer (Note [One code object per compiled model]).
-    def forward(layer: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if own is None:
-            return type(layer).forward(layer, *args, **kwargs)
-        return own(*args, **kwargs)
-
-    name = f"layer_{type(model).__name__}_{id(model):x}_{path.replace('.', '_')}"
-    return types.FunctionType(forward.__code__.replace(co_name=name), forward.__globals__, name,
-                              None, forward.__closure__)
 
 
 def _restore_forward(layer: torch.nn.Module, before: Any) -> None:

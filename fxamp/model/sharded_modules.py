@@ -111,8 +111,8 @@ def _class_forward(module: torch.nn.Module) -> Callable[..., Any]:
     return types.MethodType(type(module).forward, module)
 
 
-def _forward_code(model: torch.nn.Module, path: str,
-                  own: Optional[Callable[..., Any]]) -> Callable[..., Any]:
+def forward_code(model: torch.nn.Module, path: str, own: Optional[Callable[..., Any]], *,
+                 prefix: str = "forward") -> Callable[..., Any]:
     """The function compiled for the module at `path`: its class's forward, or `own`, the
     forward set on the instance before (a hook library's wrapper), kept."""
     def forward(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -120,7 +120,7 @@ def _forward_code(model: torch.nn.Module, path: str,
             return type(module).forward(module, *args, **kwargs)
         return own(*args, **kwargs)
 
-    name = f"forward_{type(model).__name__}_{id(model):x}_{path.replace('.', '_')}"
+    name = f"{prefix}_{type(model).__name__}_{id(model):x}_{path.replace('.', '_')}"
     return types.FunctionType(forward.__code__.replace(co_name=name), forward.__globals__, name,
                               None, forward.__closure__)
 
@@ -135,7 +135,7 @@ def compile_sharded_modules(model: torch.nn.Module, targets: list[tuple[str, tor
     for path, module in targets:
         before = module.__dict__.get("forward")
         own = None if isinstance(before, _CompiledForward) else before
-        compiled = compile_fn(_forward_code(model, path, own), path,
+        compiled = compile_fn(forward_code(model, path, own), path,
                               _compat.unsharded_class(type(module)))
         module.__dict__["forward"] = _CompiledForward(compiled, module)
         undo.callback(_restore_forward, module, before)
