@@ -134,7 +134,8 @@ def _ceiling_recipe(model, dtype, compiler: str) -> Recipe:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def forward_backward(x, target):
-        _loss(forward(x), target).backward()
+        # the model is all bf16: so are its floating inputs (images; token ids stay ids)
+        _loss(forward(x.to(dtype) if x.is_floating_point() else x), target).backward()
 
     def optimizer_step():
         opt.step()
