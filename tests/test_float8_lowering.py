@@ -1,17 +1,12 @@
 """Where float8 GEMMs run (Note [The emulated float8 lowering] in fxamp/float8/emulated.py) and
-the Inductor cache entries of CPU graphs (Note [Inductor's cache and the CPU's instruction set]
-in fxamp/_compat/inductor.py).
+the Inductor options of CPU graphs (Note [Inductor's cache and the CPU's instruction set] in
+fxamp/_compat/inductor.py; their cache entries across processes: tests/test_warm_start.py).
 
 The emulated GEMM is compared with torch's own CPU `_scaled_mm` on the same float8 operands:
 where that is torch's emulated fallback (CPUs without AVX512-FP16/AMX, or
 ATEN_CPU_CAPABILITY=avx2) the two are bitwise equal; oneDNN's float8 matmul (AVX512-FP16/AMX
 CPUs) sums in another order, so the test allows one rounding of the output dtype.
 """
-
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -23,7 +18,6 @@ from fxamp.testing import float8_gemms
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ROWWISE_ON_CPU = _compat.scaled_mm_refusal("cpu", True, torch.bfloat16) is None
-AVX512 = os.path.exists("/proc/cpuinfo") and " avx512f" in open("/proc/cpuinfo").read()
 
 
 def _operands(m, k, n, dtype_a):
@@ -91,41 +85,4 @@ def test_cpu_code_options_name_the_picked_width():
     assert _compat.cpu_code_options() == ({"cpp.simdlen": isa.bit_width()} if isa else {})
 
 
-_SCRIPT = textwrap.dedent("""
-    import copy, torch, fxamp
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(),
-                                torch.nn.Linear(128, 64))
-    reference, x = copy.deepcopy(model), torch.randn(32, 64)
-    fxamp.compile(model, opt_level="O1")
-    for m in (model, reference):
-        m(x).float().square().mean().backward()
-    for p, r in zip(model.parameters(), reference.parameters()):
-        err = (p.grad - r.grad).abs().max().item()
-        assert err <= 2 ** -6 * r.grad.abs().max().item(), err  # bf16 GEMMs against fp32
-""")
-
-
-def _run(cache, **env):
-    # the default width unless `env` names one (CI's avx2 run of this file sets it for us)
-    inherited = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
-    env = {**inherited, "TORCHINDUCTOR_CACHE_DIR": str(cache), **env}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-
-
-def _entries(cache):
-    return sum(len(files) for _, _, files in os.walk(cache / "fxgraph"))
-
-
-@pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 (two vector widths to pick)")
-def test_graphs_for_another_vector_width_are_other_cache_entries(tmp_path):
-    # Inductor's FX graph cache does not key on the instruction set it generated code for; an
-    # avx2 process sharing the cache loaded AVX-512 kernels and trained to NaN or wrong
-    # gradients on some runs. With the width in each graph's config, the avx2 process compiles
-    # graphs of its own (and its gradients are right: the script checks them against fp32).
-    _run(tmp_path)
-    wide = _entries(tmp_path)
-    _run(tmp_path, ATEN_CPU_CAPABILITY="avx2")
-    assert _entries(tmp_path) == 2 * wide > 0
+# The cache entries of another vector width: tests/test_warm_start.py (three processes, one cache).

@@ -31,7 +31,13 @@ def _run(fn, **kwargs):
     return run_ranks(functools.partial(fn, **kwargs))
 
 
-@pytest.mark.parametrize("kind, level", [("ddp", "O1"), ("ddp", "O2"), ("fsdp", "O1"),
+# The default tier: DDP at O1, FSDP2 at O2 and under FSDP2's own mixed precision; the other
+# two pairs (each ~10 s of two ranks on two cores) are the slow tier.
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("kind, level", [("ddp", "O1"), pytest.param("ddp", "O2", marks=_SLOW),
+                                         pytest.param("fsdp", "O1", marks=_SLOW),
                                          ("fsdp", "O2"), ("fsdp_mp", "O1")])
 def test_training_matches_a_single_process(kind, level):
     # fsdp_mp: fxamp O1 under FSDP2's MixedPrecisionPolicy(bf16 params, fp32 reduce): FSDP2
@@ -66,7 +72,8 @@ def _check_all_skipped_together(ranks, single, sharded):
         assert a["norms"][1] == b["norms"][1] == float("inf")
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+# DDP's agreement is also the compiled step's below (test_compiled_step_agrees_...[ddp])
+@pytest.mark.parametrize("kind", [pytest.param("ddp", marks=_SLOW), "fsdp"])
 def test_overflow_on_one_rank_skips_on_all(kind):
     # The inf goes into rank 1's gradient after backward, past DDP's allreduce: only the step's
     # own agreement can make rank 0 skip.
@@ -83,8 +90,9 @@ def test_compiled_step_agrees_with_collectives_traced_into_it(kind):
     _check_all_skipped_together(ranks, ranks[0]["single"], sharded=kind == "fsdp")
 
 
-@pytest.mark.parametrize("level", ["O1", "O2"])
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind, level", [("ddp", "O1"), pytest.param("ddp", "O2", marks=_SLOW),
+                                         pytest.param("fsdp", "O1", marks=_SLOW),
+                                         ("fsdp", "O2")])
 def test_dcp_checkpoint_resumes_bit_identically(kind, level, tmp_path):
     ranks = _run(w.resume, kind=kind, level=level, path=str(tmp_path / "ckpt"))
     for straight, resumed in ranks:
@@ -140,7 +148,7 @@ def test_process_group_argument():
 LOW_MEMORY_TOLERANCE = {"params": 2 * 2.0**-9, "decoded": 4 / 127}
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
+@pytest.mark.parametrize("kind", [pytest.param("ddp", marks=_SLOW), "fsdp"])
 def test_low_memory_state_trains_like_one_process_and_resumes_bit_identically(kind, tmp_path):
     trained, resumed = zip(*_run(w.low_memory, kind=kind, path=str(tmp_path / "ckpt")))
     fp32_state = trained[0]["fp32_state"]
