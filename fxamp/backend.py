@@ -135,7 +135,8 @@ class FxampBackend:
         if not config.is_resolved:
             config = config.resolve(config.device_type or _device_type(example_inputs))
         grad_enabled = torch.is_grad_enabled()  # the caller's: Dynamo guards on it
-        check_float8_support(config.float8, config.device_type, config.dtype)
+        check_float8_support(config.float8, config.device_type, config.dtype,
+                             self.compile_args["compiler"])
         _check_active_ddp()
         if self.model is not None:
             check_storage(self.model, config)

@@ -42,10 +42,10 @@ def test_linear_equals_the_standalone_functions_eagerly(recipe, mode):
 
 # torch 2.11's C++ code generation has no float8_e8m0fnu (MXFP8's scales): "torch.float8_e8m0fnu
 # missing from torch._inductor.codegen.cpp.DTYPE_TO_CPP" (InductorError); 2.13 and 2.14 have it.
-# Known difference (docs/float8.md); fxamp does not yet refuse it before compiling.
-_NO_E8M0_CPP = pytest.mark.xfail(
-    torch.torch_version.TorchVersion(torch.__version__) < (2, 13), strict=True,
-    reason="torch 2.11's Inductor C++ codegen has no float8_e8m0fnu")
+# fxamp refuses it before compiling (test_mxfp8_through_inductor_without_e8m0_is_refused).
+_NO_E8M0_CPP = pytest.mark.skipif(
+    "float8_e8m0fnu" not in fxamp.float8.config._cpp_dtypes(),
+    reason="refused on this torch: its Inductor C++ codegen has no float8_e8m0fnu")
 # Through Inductor bitwise too (emulate_precision_casts: the bf16 roundings eager makes): MXFP8
 # in the default tier (~20 s cold on 2 cores), every GEMM kind through Inductor below.
 _LINEAR_CASES = [pytest.param(recipe, mode, "aot_eager", id=f"{recipe}-{mode}-aot_eager")
@@ -208,6 +208,26 @@ def test_the_hardware_lowering_is_refused_by_name(recipe):
                        "lowering"):
         check_float8_support(Float8Config(recipe=recipe), "cuda", BF16)
     check_float8_support(Float8Config(recipe=recipe), "cpu", BF16)
+
+
+def test_mxfp8_through_inductor_without_e8m0_is_refused(monkeypatch):
+    # torch 2.11 (docs/float8.md, "Known differences"); elsewhere as if this torch were 2.11
+    config = fxamp.float8.config
+    if "float8_e8m0fnu" in config._cpp_dtypes():
+        monkeypatch.setattr(config, "_cpp_dtypes", lambda: set())
+    model = torch.nn.Linear(64, 64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(fxamp.ConfigError, match=(
+            r"float8 recipe 'mxfp8' cannot be compiled by Inductor for 'cpu' with torch .*: "
+            r"Inductor's C\+\+ code generation in this torch has no float8_e8m0fnu, the "
+            r"recipe's block scales. Use compiler='aot_eager' \(the same numerics, emulated\), "
+            r"torch >= 2.13, or recipe='nvfp4'")):
+        fxamp.compile(model, opt_level="O2", float8="mxfp8")
+    assert fxamp.config_of(model) is None  # untouched: fp32, not compiled
+    assert all(torch.equal(v, before[k]) and v.dtype == torch.float32
+               for k, v in model.state_dict().items())
+    fxamp.compile(model, opt_level="O2", float8="mxfp8", compiler="aot_eager")  # runs
+    assert torch.isfinite(model(torch.randn(32, 64))).all()
 
 
 def _mm_dtypes(gm):

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-@pytest.mark.slow  # a minute on a quiet machine; CI runs the slow tier on the 2.11.0 leg, the GPUs' torch
+# A minute on a quiet machine; CI runs this file's slow tests on the 2.11.0 leg, the GPUs' torch.
+@pytest.mark.slow
 def test_smoke_runs_every_stage_and_writes_the_report(tmp_path):
     done = subprocess.run([PY, "-m", "benchmarks.gpu_report", "--smoke", "--out",
                            str(tmp_path / "out"), "--archive", str(tmp_path / "OUT" / "r.tar.gz")],

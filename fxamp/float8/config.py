@@ -15,7 +15,7 @@ docs/float8.md, "Block-scaled formats"), emulated only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -177,12 +177,35 @@ def _block_refusal(recipe: str, device_type: str) -> Optional[str]:
             "implemented")
 
 
+def _compiler_refusal(recipe: str, device_type: str, compiler: Any) -> Optional[str]:
+    # torch 2.11's Inductor C++ code generation has no float8_e8m0fnu, MXFP8's block scales
+    # ("torch.float8_e8m0fnu missing from torch._inductor.codegen.cpp.DTYPE_TO_CPP"); 2.13 has
+    # it (docs/float8.md, "Known differences")
+    if (RECIPES[recipe].block == "mxfp8" and compiler == "inductor" and device_type == "cpu"
+            and "float8_e8m0fnu" not in _cpp_dtypes()):
+        return ("Inductor's C++ code generation in this torch has no float8_e8m0fnu, the "
+                "recipe's block scales")
+    return None
+
+
+def _cpp_dtypes() -> set[str]:
+    from torch._inductor.codegen.cpp_utils import DTYPE_TO_CPP
+
+    return {str(d).removeprefix("torch.") for d in DTYPE_TO_CPP}
+
+
 def check_float8_support(f8: Optional[Float8Config], device_type: str,
-                         dtype: Optional[torch.dtype]) -> None:
+                         dtype: Optional[torch.dtype], compiler: Any = None) -> None:
     """Refuse a float8 config that this torch build cannot run on `device_type` (before
-    anything is changed)."""
+    anything is changed); with `compiler`, also one that compiler cannot compile here."""
     if f8 is None:
         return
+    why = _compiler_refusal(f8.recipe, device_type, compiler)
+    if why is not None:
+        raise ConfigError(f"float8 recipe {f8.recipe!r} cannot be compiled by Inductor for "
+                          f"{device_type!r} with torch {torch.__version__}: {why}. Use "
+                          "compiler='aot_eager' (the same numerics, emulated), torch >= 2.13, "
+                          "or recipe='nvfp4'")
     why = recipe_refusal(f8.recipe, device_type, dtype)
     if why is None:
         return

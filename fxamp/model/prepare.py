@@ -118,9 +118,9 @@ def requested_config(config: Any, opt_level: Optional[str], overrides: dict[str,
     return entry_config(config, opt_level, overrides, where)
 
 
-def check_model(model: Any, config: AmpConfig) -> AmpConfig:
-    """Refuse a model `fxamp.compile` cannot prepare with `config`; returns the config
-    resolved for the model's device. Changes nothing."""
+def check_model(model: Any, config: AmpConfig, compiler: Any = None) -> AmpConfig:
+    """Refuse a model `fxamp.compile` cannot prepare with `config` (and `compiler`, where
+    given); returns the config resolved for the model's device. Changes nothing."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError(f"fxamp.compile takes an nn.Module, not {type(model).__name__}")
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
@@ -142,7 +142,7 @@ def check_model(model: Any, config: AmpConfig) -> AmpConfig:
             ").resolve('cuda')), or materialise the model first (model.to_empty(device=...) "
             "and its initialisation)")
     resolved = config.resolve(config.device_type or floating[0].device.type)
-    check_float8_support(resolved.float8, resolved.device_type, resolved.dtype)
+    check_float8_support(resolved.float8, resolved.device_type, resolved.dtype, compiler)
     return resolved
 
 
@@ -170,7 +170,7 @@ def prepare(model_or_fn: Callable[..., Any], config: Optional[AmpConfig], *,
         check_copyable(model_or_fn)
     existing = None if in_place else config_of(model_or_fn)
     if existing is None:
-        resolved = check_model(model_or_fn, backend.config)
+        resolved = check_model(model_or_fn, backend.config, settings.compiler)
         check_methods(model_or_fn, settings.methods)
         model = model_or_fn if in_place else copy.deepcopy(model_or_fn)
         # Everything is checked: from here on it changes. A loss or a metric is not the

@@ -68,7 +68,7 @@ def initialize(models: Models, optimizers: Optimizers = None, *, enabled: bool =
     check_compiler(compiler, None, None)
     model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
     opt_list, opts_was_list = _as_list(optimizers, object, "optimizers")
-    _check_models(model_list, config)
+    _check_models(model_list, config, compiler)
     _check_optimizers(opt_list)
     if model_list:
         _check_state_formats(opt_list, config, check_model(model_list[0], config).model_dtype)
@@ -98,12 +98,12 @@ def _as_list(value: Any, kind: type, what: str) -> tuple[list, bool]:
     return [value], False
 
 
-def _check_models(models: list, config: AmpConfig) -> None:
+def _check_models(models: list, config: AmpConfig, compiler) -> None:
     def check_one(model: torch.nn.Module) -> None:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             raise ConfigError("it is already wrapped in DistributedDataParallel; call "
                               "initialize first and wrap the returned model afterwards")
-        check_model(model, config)
+        check_model(model, config, compiler)
 
     check_model_list(models, check_one)
 
