@@ -9,8 +9,8 @@
   cache loaded AVX-512 kernels and trained to NaN or wrong gradients on some runs. A third,
   avx2 process (on a CPU with AVX-512) compiles graphs of its own, and its gradients are right.
 
-Each process trains a tiny model two steps at O2, checks an O1 model's gradients against fp32,
-and prints the cache counters. The first two processes run the default width even where the
+Each process trains a tiny model two steps at O2 (the third does not), checks an O1 model's
+gradients against fp32, and prints the cache counters. The first two processes run the default width even where the
 caller set ATEN_CPU_CAPABILITY (CI's avx2 run)."""
 
 import json
@@ -24,7 +24,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AVX512 = os.path.exists("/proc/cpuinfo") and " avx512f" in open("/proc/cpuinfo").read()
 TRAIN = """
-import copy, json
+import copy, json, sys
 import torch
 import torch.nn.functional as F
 import fxamp
@@ -32,12 +32,13 @@ import fxamp.optim
 from fxamp import _compat
 
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-model = fxamp.compile(model, opt_level="O2")
-opt = fxamp.optim.AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
-scaler = fxamp.optim.LossScaler()
-x, y = torch.randn(4, 8), torch.randn(4, 4)
-for _ in range(2):
+if "o2" in sys.argv:
+  model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+  model = fxamp.compile(model, opt_level="O2")
+  opt = fxamp.optim.AdamW(model.parameters(), lr=1e-3, max_grad_norm=1.0)
+  scaler = fxamp.optim.LossScaler()
+  x, y = torch.randn(4, 8), torch.randn(4, 4)
+  for _ in range(2):
     scaler.scale(F.mse_loss(model(x).float(), y)).backward()
     opt.step(scaler)
     opt.zero_grad()
@@ -54,11 +55,11 @@ print(json.dumps(_compat.compile_cache_counters()))
 """
 
 
-def _train_in_a_process(cache_dir, **env):
+def _train_in_a_process(cache_dir, parts=("o2", "o1"), **env):
     inherited = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
     env = {**inherited, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **env}
-    done = subprocess.run([sys.executable, "-c", TRAIN], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", TRAIN, *parts], env=env, capture_output=True,
                           text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -87,8 +88,8 @@ def test_a_second_process_compiles_fxamps_graphs_from_the_caches(cache, cold):
 
 @pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 (two vector widths to pick)")
 def test_graphs_for_another_vector_width_are_other_cache_entries(cache, cold):
-    # every graph the wide process compiled is compiled again, none is loaded (the O1
-    # gradients' check inside the script would fail on wrongly loaded kernels some runs)
-    narrow = _train_in_a_process(cache, ATEN_CPU_CAPABILITY="avx2")
-    assert narrow["fxgraph_cache_miss"] == cold["fxgraph_cache_miss"], (cold, narrow)
-    assert narrow["fxgraph_cache_hit"] == 0, narrow
+    # the O1 model's forward and backward, which the wide process compiled, are compiled again,
+    # not loaded (the O1 gradients' check inside the script failed on wrongly loaded kernels
+    # some runs)
+    narrow = _train_in_a_process(cache, parts=("o1",), ATEN_CPU_CAPABILITY="avx2")
+    assert narrow["fxgraph_cache_miss"] >= 2 and narrow["fxgraph_cache_hit"] == 0, narrow

@@ -230,8 +230,10 @@ def test_float8_reaches_fsdp2_sharded_modules():
             "fully_shard: fxamp.explain, locate_overflow and range_stats run a private copy"), r
 
 
-# O1 without float8 in the default suite; O2 with float8 (the largest compile here) is slow.
-@pytest.mark.parametrize("level, float8", [("O1", False),
+# The slow tier (~35 s of two ranks on 2 cores for O1; O2 with float8 is the largest compile
+# here): FSDP2 itself is the default tier's in test_training_matches_a_single_process and
+# test_float8_reaches_fsdp2_sharded_modules.
+@pytest.mark.parametrize("level, float8", [pytest.param("O1", False, marks=pytest.mark.slow),
                                            pytest.param("O2", True, marks=pytest.mark.slow)])
 def test_a_sharded_gpt2_runs_as_the_unsharded_one(level, float8):
     # transformers' GPT-2 under FSDP2 (each block, then the root), bitwise the unsharded model:

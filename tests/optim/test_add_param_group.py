@@ -88,6 +88,7 @@ def test_added_16bit_group_gets_masters_skips_and_round_trips(dtype):
     assert bit_identical(snapshot(opt), snapshot(resumed))
 
 
+@pytest.mark.slow  # ~18 s of Inductor compiles on 2 cores; the eager step above is the default tier
 def test_added_group_with_the_compiled_step_and_initialize():
     """The Apex flow: initialize at O2, unfreeze later; the compiled step takes the new bucket
     (one recompile) and the scale keeps moving."""
