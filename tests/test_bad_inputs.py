@@ -67,7 +67,7 @@ def _opt_state(opt):
     flat = [opt.step_counts, opt.found_inf, opt._device_state.hyper,
             *(t for h in opt.bucket_states for s in h.states for t in s)]
     for b in opt.buckets:
-        flat += [b.param, b.grad] + ([] if b.master is None else [b.master])
+        flat += [*b.params, b.grad] + [t for t in (b.param, b.master) if t is not None]
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     return [_bytes(t) for t in flat], repr(groups), opt.folding.raw_scaler, opt.folding.folded_scalers
 
@@ -286,7 +286,7 @@ CASES = [
         {**w.opt.state_dict(), "state": {99: {"step": 1.0}}}),
      ["state entry 99 names no parameter", "indices 0...5"]),
     ("step_after_model_to", lambda w: w.opt.step(w.scaler),
-     ["no longer live in the optimizer's flat buffer", "move and cast the model first"], "moved"),
+     ["and the optimizer was built over", "move and cast the model first"], "moved"),
 ]
 
 

@@ -18,8 +18,8 @@ from fxamp._compat.dynamo import (BackendCompilerFailed, Unsupported, UserError,
                                   compile_symbolic,
                                   compile_time_metrics, dynamo_counters, dynamo_traces_rnns,
                                   isolated_recompiles)
-from fxamp._compat.inductor import (compile_fx, cpu_code_options, fuse_unrelated_options,
-                                    inductor_config_keys, list_mode_options, make_boxed_func,
+from fxamp._compat.inductor import (compile_fx, cpp_dtypes, cpu_code_options,
+                                    fuse_unrelated_options, inductor_config_keys, list_mode_options, make_boxed_func,
                                     recompute_pointwise_options,
                                     run_and_get_code, without_donated_buffers)
 from fxamp._compat.kernels import (foreach_add_, foreach_copy_, scaled_mm, scaled_mm_refusal,
@@ -40,8 +40,8 @@ from fxamp._compat.tracing import (EXAMPLE_VALUE, FWD_NN_MODULE_STACK, GET_DATA_
 __all__ = [
     "TORCH_VERSION", "active_ddp_module", "aot_autograd", "aot_eager", "BackendCompilerFailed",
     "call_impl", "compile_cache_counters", "compile_fresh", "compile_symbolic", "compile_fx",
-    "cpu_code_options", "compile_time_metrics", "COMPILED_CALL_ATTR", "ddp_bucket_dtypes",
-    "detect_fake_mode",
+    "cpp_dtypes", "cpu_code_options", "compile_time_metrics", "COMPILED_CALL_ATTR",
+    "ddp_bucket_dtypes", "detect_fake_mode",
     "dynamo_counters", "dynamo_traces_rnns", "isolated_recompiles", "emit_call",
     "ENTER_AUTOCAST", "EXAMPLE_VALUE",
     "EXIT_AUTOCAST", "FakeTensor", "FakeTensorMode", "foreach_add_", "foreach_copy_",

@@ -53,6 +53,14 @@ def cpu_code_options() -> dict[str, Any]:
     return {"cpp.simdlen": isa.bit_width()} if isa else {}
 
 
+def cpp_dtypes() -> frozenset[str]:
+    """The dtypes Inductor's C++ code generation can name ("float8_e8m0fnu" is missing on
+    2.11). Imported when first used. Checked on 2.11.0, 2.13.0, 2.14.1."""
+    from torch._inductor.codegen.cpp_utils import DTYPE_TO_CPP
+
+    return frozenset(str(d).removeprefix("torch.") for d in DTYPE_TO_CPP)
+
+
 def list_mode_options(mode: str) -> dict[str, Any]:
     """Inductor's config patches for a `torch.compile(mode=...)`. Checked on 2.11.0, 2.13.0,
     2.14.1."""

@@ -188,10 +188,10 @@ def _compiler_refusal(recipe: str, device_type: str, compiler: Any) -> Optional[
     return None
 
 
-def _cpp_dtypes() -> set[str]:
-    from torch._inductor.codegen.cpp_utils import DTYPE_TO_CPP
+def _cpp_dtypes() -> frozenset[str]:
+    from fxamp._compat import cpp_dtypes  # lazily: _compat imports torch._dynamo
 
-    return {str(d).removeprefix("torch.") for d in DTYPE_TO_CPP}
+    return cpp_dtypes()
 
 
 def check_float8_support(f8: Optional[Float8Config], device_type: str,

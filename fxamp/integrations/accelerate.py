@@ -26,8 +26,6 @@ from fxamp.errors import ConfigError
 from fxamp.optim import FusedOptimizer, LossScaler, initialize, master_params, unscale_
 from fxamp.optim.apex.convert import fused_class
 from fxamp.model.prepare import config_of
-from fxamp.integrations.accelerate_state import (load_models_with_tied_views,
-                                                 save_views_as_tensors)
 
 __all__ = ["Accelerator", "FusedAcceleratedOptimizer", "check_convertible"]
 
@@ -84,8 +82,6 @@ class Accelerator(accelerate.Accelerator):
         self._loss_scaler = LossScaler.from_config(self.amp_config,
                                                    compile=compiler == "inductor")
         super().__init__(mixed_precision="no", **kwargs)  # everything is checked
-        self.register_save_state_pre_hook(save_views_as_tensors)
-        self.register_load_state_pre_hook(load_models_with_tied_views)
 
     def prepare(self, *args: Any, device_placement: Optional[list[bool]] = None) -> Any:
         """accelerate's `prepare`, with fxamp's opt level applied first to the models not yet

@@ -300,11 +300,11 @@ def test_a_prepared_scheduler_follows_its_own_optimizer():
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_save_state_writes_every_weight_of_the_flat_buffer(tmp_path, level):
-    # Note [Flat buffers in accelerate's checkpoints]: the parameters are views of fxamp's flat
-    # buffer; accelerate's safetensors writer kept one name per storage, so save_state wrote
-    # one weight and dropped the rest silently (O1 on main; O2 hid it behind fp32 copies).
-    # Every weight is written (tied lm_head once), and load_state puts them all back.
+def test_save_state_writes_every_weight(tmp_path, level):
+    # Note [Parameters own their storage] (fxamp/optim/buffers/flat.py): when the parameters
+    # were views of fxamp's flat buffer, accelerate's safetensors writer kept one name per
+    # storage and dropped the rest silently. Every weight is written (tied lm_head once, as in
+    # eager torch), and load_state puts them all back, with no hook of fxamp's on the way.
     acc = Accelerator(cpu=True, mixed_precision="bf16", opt_level=level, compiler="aot_eager")
     model = tiny_gpt2.model()
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -322,3 +322,32 @@ def test_save_state_writes_every_weight_of_the_flat_buffer(tmp_path, level):
     acc.load_state(tmp_path)
     assert model.lm_head.weight is model.transformer.wte.weight
     assert all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+
+
+def _mlp_run(acc, tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    for i in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        acc.backward(model(x).float().square().mean())
+        opt.step()
+        opt.zero_grad()
+    acc.save_model(model, tmp_path)
+    from safetensors.torch import load_file
+
+    return load_file(tmp_path / "model.safetensors"), acc.unwrap_model(model).state_dict()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_save_model_writes_what_accelerates_own_bf16_writes(tmp_path, fresh_state, level):
+    # accelerate's documented final save. With the parameters views of fxamp's flat buffer it
+    # wrote 1 tensor of 4 (safetensors logged "Removed shared tensor"); now the same names as
+    # under accelerate's own mixed_precision="bf16", each the model's own weights.
+    theirs, _ = _mlp_run(accelerate.Accelerator(cpu=True, mixed_precision="bf16"),
+                         tmp_path / "theirs")
+    fresh_state(True)
+    ours, state = _mlp_run(Accelerator(cpu=True, mixed_precision="bf16", opt_level=level,
+                                       compiler="aot_eager"), tmp_path / "ours")
+    assert set(ours) == set(theirs) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    assert all(torch.equal(ours[k], state[k]) for k in ours)

@@ -57,7 +57,9 @@ def snapshot(opt):
     """Every tensor a step may write: weights, masters, model params, states, step, scale."""
     tensors = [opt.step_counts]
     for bucket, held in zip(opt.buckets, opt.bucket_states):
-        tensors += [bucket.param, *(t for bufs in held.states for t in bufs)]
+        tensors += [*bucket.params, *(t for bufs in held.states for t in bufs)]
+        if bucket.param is not None:  # the flat weights where the weights are their own master
+            tensors.append(bucket.param)
         if bucket.master is not None:
             tensors.append(bucket.master)
         if held.correction is not None:

@@ -235,16 +235,21 @@ def test_refusals_name_the_value_and_leave_everything_as_it_was():
     assert bit_identical(kept, snapshot(full))
 
 
-def test_low_memory_preset_keeps_about_7_bytes_per_parameter():
+@pytest.mark.parametrize("preset, expected", [("low_memory", 9.0625), ("compensated", 12),
+                                              ("default", 16)])
+def test_presets_keep_the_bytes_per_parameter_they_say(preset, expected):
+    # model, gradient, the states, the masters, and (Note [Parameters own their storage]) the
+    # optimizer's flat weights where the model is its own master
     from benchmarks.optimizer_step import storage_bytes
 
     params = [torch.nn.Parameter(torch.zeros(256, 256, dtype=torch.bfloat16))]
     params[0].grad = torch.zeros_like(params[0])  # becomes a view of the flat gradient
-    opt = fo.AdamW(params, state_format="low_memory", compile=False)
+    opt = fo.AdamW(params, state_format=preset, compile=False)
     kept = [t for p in params for t in (p, p.grad)] + [
-        v for s in opt.state.values() for v in s.values()]
+        v for s in opt.state.values() for v in s.values()] + [
+        t for b in opt.buckets for t in (b.param, b.master) if t is not None]
     measured = (storage_bytes(kept) - 4) / params[0].numel()  # less the shared step count
-    assert measured == StateFormat.from_preset("low_memory").bytes_per_param() == 7.0625
+    assert measured == StateFormat.from_preset(preset).bytes_per_param() == expected
 
 
 def _decoded_masters(opt):

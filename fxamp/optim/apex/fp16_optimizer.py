@@ -175,8 +175,7 @@ class FP16_Optimizer:
                 slot.bucket.sync_from_params()
             self._step_inner()
             for slot in self._slots:
-                if slot.bucket.master is not None:
-                    slot.bucket.param.copy_(slot.bucket.master)
+                slot.bucket.write_back()  # the masters into the model's weights
         self.folding.finish_step()
         return loss
 
@@ -259,9 +258,7 @@ class FP16_Optimizer:
         with torch.no_grad():
             for (bucket, master), saved in zip(self._slots, state_dict["fp32_masters"]):
                 master.copy_(saved)
-                if bucket.master is not None:
-                    bucket.param.copy_(bucket.master)
-                bucket.mark_params_synced()
+                bucket.write_back()  # the loaded masters into the model's weights
 
     def __repr__(self) -> str:
         return f"FP16_Optimizer({type(self.optimizer).__name__}, {self.loss_scaler})"

@@ -47,7 +47,8 @@ class Bucket(abc.ABC):
         group_index: index of the param group in the optimizer.
         params: the model's parameters.
         offsets: start element of each parameter (of its local shard) in the flat buffers.
-        param: flat model-dtype parameter buffer.
+        param: the flat weights in the model's dtype, or None for a FlatBucket with an fp32
+            master (Note [Parameters own their storage] in flat.py).
         grad: flat model-dtype gradient buffer.
         master: flat fp32 copy of `param` for 16-bit parameters with master weights, else None.
         acc: fp32 unscaled gradients while gradients are being folded (folding.py), else None.
@@ -60,7 +61,7 @@ class Bucket(abc.ABC):
     group_index: int
     params: list[torch.nn.Parameter]
     offsets: list[int]
-    param: torch.Tensor
+    param: Optional[torch.Tensor]
     grad: torch.Tensor
     master: Optional[torch.Tensor]
     acc: Optional[torch.Tensor]

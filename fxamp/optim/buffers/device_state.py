@@ -51,7 +51,7 @@ class BucketSlot:
         update] in docs/design.md)."""
         b = self.bucket
         states = tuple((_blocks(bufs[0]), *bufs[1:]) for bufs in self.state.states)
-        model = None if b.master is None else _blocks(b.param)
+        model = None if b.master is None or b.param is None else _blocks(b.param)
         return BucketArgs(tuple(_blocks(w) for w in self.state.weights(b)), _blocks(grad),
                           states, model, self.aux, self.state.master, self.stream_keys,
                           self.grad_mask())

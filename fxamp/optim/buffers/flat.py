@@ -1,17 +1,20 @@
 """Flat parameter, gradient and master buffers, one per (param group, dtype).
 
-Like Apex's FP16_Optimizer, every parameter of a bucket becomes a view into one flat buffer
-(`p.data = flat[o:o+n].view_as(p)`) and so does its gradient (`p.grad = flat_grad[...]`): autograd
-accumulates into an existing `.grad` in place, so backward writes straight into the flat
-gradient, and the optimizer step is a handful of kernels over a few long tensors, whatever the
-number of parameters. 16-bit parameters get an fp32 master copy with the same layout.
+# Note [Parameters own their storage]
+The optimizer keeps flat weights of its own (an fp32 `master` for 16-bit parameters with
+master weights; else `param`, a flat copy in the model's dtype) and a flat gradient: the step
+is a handful of kernels over a few long tensors, whatever the number of parameters. The
+model's parameters keep storages of their own, as in eager torch, so that whatever reads them
+(`state_dict()`, safetensors' shared-tensor check, accelerate's `save_model`,
+`vector_to_parameters`, `data_ptr()`) sees the model it would see without fxamp. (Until
+2026-12 they were views of `param`, as Apex's FP16_Optimizer makes them: savers saw one tied
+tensor and dropped all but one name.) The price: after each step `write_back` copies the new
+weights into the parameters (one multi-tensor copy, no host read; from the master it rounds
+to nearest, as the update did), and `param` is memory eager torch does not hold.
 
-# Note [Keeping the flat views honest]
-Two things can break a view between steps, and `FlatBucket.sync_from_params` repairs both without
-a host read: a `.grad` replaced by another tensor (`p.grad = g`) is copied into the flat gradient
-and replaced by the view again; and a write through a parameter (e.g. `model.load_state_dict`) bumps `p._version`,
-after which the master copy is refreshed wherever the parameter no longer equals the rounded
-master.
+Gradients stay views of the flat gradient (`p.grad = flat_grad[o:o+n].view_as(p)`), as DDP's
+`gradient_as_bucket_view=True` makes them: autograd accumulates into an existing `.grad` in
+place, so backward writes straight into the flat gradient.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
+from fxamp._compat import foreach_copy_
 from fxamp.errors import ConfigError
 from fxamp.optim.buffers.bucket import Bucket, layout, refresh_master
 from fxamp.optim.distributed import is_dtensor
@@ -32,6 +36,17 @@ __all__ = ["FlatBucket", "flatten_param_groups", "flatten_group", "check_group_p
            "make_bucket"]
 
 log = logging.getLogger(__name__)
+
+# Note [Keeping the flat views honest]
+# Between steps, `FlatBucket.sync_from_params` takes in what changed outside the optimizer,
+# without a host read: a `.grad` replaced by another tensor (`p.grad = g`) is copied into the flat
+# gradient and replaced by the view again; a parameter written in place (`model.load_state_dict`,
+# `p.copy_(...)` under no_grad: its `_version` moved) or given another tensor of the same shape,
+# dtype and device (`p.data = t`, `load_state_dict(assign=True)`, `vector_to_parameters`) is
+# copied into the flat weights, and its master refreshed wherever the parameter no longer equals
+# the rounded master. A write through `p.data` in place (`p.data.mul_(2)`) moves no version
+# counter (torch's docs: `.data` is not tracked) and is not seen; write through `p` under
+# `torch.no_grad()` instead.
 
 # Note [A parameter without a gradient]
 # torch.optim skips a parameter whose `.grad` is None, and so does the fused step: its weights,
@@ -62,7 +77,8 @@ class FlatBucket(Bucket):
         group_index: index of the param group in the optimizer.
         params: the model's parameters, whose `.data` and `.grad` are views into this bucket.
         offsets: start element of each parameter in the flat buffers.
-        param: flat model-dtype parameter buffer.
+        param: the flat weights in the model's dtype where there is no master (the parameters
+            are written from `master` otherwise: None).
         grad: flat model-dtype gradient buffer.
         master: flat fp32 copy of `param` for 16-bit parameters with master weights, else None.
     """
@@ -73,33 +89,36 @@ class FlatBucket(Bucket):
                  master_weights: bool) -> None:
         self.group_index = group_index
         self.params = list(params)
+        self.shapes = [p.shape for p in self.params]
         self.offsets, numel = layout([p.numel() for p in self.params])
         ref = self.params[0]
-        self.param = torch.zeros(numel, dtype=ref.dtype, device=ref.device)
-        self.grad = torch.zeros_like(self.param)
+        # Note [Parameters own their storage]: with an fp32 master the parameters are written
+        # from it, and no flat copy in the model's dtype is kept
+        low = master_weights and ref.dtype in LOW_DTYPES
+        weights = torch.zeros(numel, dtype=torch.float32 if low else ref.dtype, device=ref.device)
+        self.master: Optional[torch.Tensor] = weights if low else None
+        self.param: Optional[torch.Tensor] = None if low else weights
+        self.grad = torch.zeros(numel, dtype=ref.dtype, device=ref.device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                self.view(self.param, i).copy_(p)
+                self.view(weights, i).copy_(p)
                 if p.grad is not None:
                     self.view(self.grad, i).copy_(p.grad)
-                p.data = self.view(self.param, i)
         self.grad_views = self.views(self.grad)
         self.received = [p.grad is not None for p in self.params]
         self._dirty = list(self.received)  # a view holding values no zero_grad cleared
         for p, g, got in zip(self.params, self.grad_views, self.received):
             p.grad = g if got else None
-        self._ptrs = [p.data_ptr() for p in self.params]  # where each lives in this bucket
+        self._ptrs = [p.data_ptr() for p in self.params]  # Note [Keeping the flat views honest]
         self._hooks = [p.register_hook(_backward_hook(weakref.ref(self), i))
                        for i, p in enumerate(self.params)]
-        low = master_weights and ref.dtype in LOW_DTYPES
-        self.master = self.param.float() if low else None
         self.versions = [p._version for p in self.params]
         self.acc: Optional[torch.Tensor] = None  # fp32 unscaled gradients, see Optimizer.unscale_
         self._warned_foreign = False
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        p = self.params[i]
-        return flat[self.offsets[i]:self.offsets[i] + p.numel()].view(p.shape)
+        shape = self.shapes[i]
+        return flat[self.offsets[i]:self.offsets[i] + shape.numel()].view(shape)
 
     def block_view(self, per_block: torch.Tensor, block: int, i: int) -> torch.Tensor:
         start = self.offsets[i] // block
@@ -117,7 +136,7 @@ class FlatBucket(Bucket):
     def _on_backward(self, i: int, grad: torch.Tensor) -> None:
         # Note [A parameter without a gradient]: runs before autograd accumulates into p.grad.
         p, view = self.params[i], self.grad_views[i]
-        if p.grad is not None or p.data_ptr() != self._ptrs[i]:  # or another optimizer's now
+        if p.grad is not None:  # accumulates into what it holds (another optimizer's view)
             return
         if self._dirty[i]:
             with torch.no_grad():
@@ -131,11 +150,15 @@ class FlatBucket(Bucket):
 
     def sync_from_params(self) -> None:
         """Repair gradient views and stale masters; see Note [Keeping the flat views honest]."""
-        if self.params[0].data_ptr() != self.param.data_ptr():
-            raise ConfigError(
-                f"the parameters of param group {self.group_index} no longer live in the "
-                "optimizer's flat buffer: their .data was replaced (model.to(), .half(), a cast) "
-                "after the optimizer was built; move and cast the model first")
+        for i, p in enumerate(self.params):
+            if (p.dtype, p.device, p.shape) != (self.grad.dtype, self.grad.device,
+                                                 self.shapes[i]):
+                raise ConfigError(
+                    f"parameter {i} of param group {self.group_index} is now {p.dtype} "
+                    f"{tuple(p.shape)} on {p.device}, and the optimizer was built over "
+                    f"{self.grad.dtype} on {self.grad.device}: its .data was replaced "
+                    "(model.to(), .half(), a cast) after the optimizer was built; move and "
+                    "cast the model first")
         for i, (p, g) in enumerate(zip(self.params, self.grad_views)):
             if p.grad is None:
                 self._drop_grad(i)
@@ -143,10 +166,9 @@ class FlatBucket(Bucket):
                 self._adopt_grad(i)
             else:
                 self.received[i] = True
-        if self.master is not None:
-            for i, p in enumerate(self.params):
-                if p._version != self.versions[i]:
-                    self._refresh_master(i)
+        for i, p in enumerate(self.params):
+            if p._version != self.versions[i] or p.data_ptr() != self._ptrs[i]:
+                self._take_param(i)
 
     def _adopt_grad(self, i: int) -> None:
         p, view = self.params[i], self.grad_views[i]
@@ -167,19 +189,32 @@ class FlatBucket(Bucket):
             self._dirty[i] = False
         self.received[i] = False
 
-    def _refresh_master(self, i: int) -> None:
+    def _take_param(self, i: int) -> None:
         p = self.params[i]
-        refresh_master(self.view(self.master, i), p)
-        self.versions[i] = p._version
-        log.debug("parameter %d of group %d was written outside the optimizer; master refreshed",
+        if self.master is not None:
+            refresh_master(self.view(self.master, i), p)
+        else:
+            with torch.no_grad():
+                self.view(self.param, i).copy_(p)
+        self.versions[i], self._ptrs[i] = p._version, p.data_ptr()
+        log.debug("parameter %d of group %d was written outside the optimizer; taken in",
                   i, self.group_index)
 
     def write_back(self) -> None:
-        """Nothing to do: the parameters are views of `param` (ShardedBucket copies)."""
+        """Copy the updated flat weights into the parameters (Note [Parameters own their
+        storage])."""
+        with torch.no_grad():  # the master rounded to nearest, as the update rounds it
+            foreach_copy_(self.params, self.views(self.weights))
+        self.versions = [p._version for p in self.params]
 
     def mark_params_synced(self) -> None:
-        """Record that the masters now match the parameters (after loading both)."""
+        """Take the parameters as they are into the flat weights and record that the masters
+        match them (after loading both)."""
+        if self.param is not None:
+            with torch.no_grad():
+                foreach_copy_(self.views(self.param), self.params)
         self.versions = [p._version for p in self.params]
+        self._ptrs = [p.data_ptr() for p in self.params]
 
 
 def flatten_param_groups(param_groups: Sequence[dict], *, master_weights: bool,

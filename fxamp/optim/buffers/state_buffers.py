@@ -38,9 +38,9 @@ class BucketState:
     def __init__(self, bucket: Bucket, fmt: StateFormat, keys: Sequence[str]) -> None:
         own = bucket.master is None and bucket.param.dtype == torch.bfloat16
         self.master = fmt.master if own else "fp32"
-        self.correction: Optional[torch.Tensor] = codecs.new_correction(bucket.param,
+        self.correction: Optional[torch.Tensor] = codecs.new_correction(bucket.weights,
                                                                         self.master)
-        numel, device = bucket.param.numel(), bucket.param.device
+        numel, device = bucket.weights.numel(), bucket.weights.device
         # Without masters (master_weights=False) full-width moments are in the model's dtype,
         # as everything else is (Apex O3).
         full = bucket.weights.dtype if self.master == "fp32" else torch.float32

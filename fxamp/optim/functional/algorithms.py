@@ -157,11 +157,11 @@ def per_element(per_param: Tensor, owner: Tensor, x: Tensor) -> Tensor:
 def chunk_owners(bucket: Bucket) -> tuple[Tensor, int]:
     """Which parameter each ALIGN-element chunk of the bucket belongs to, and how many there
     are: the constants `tensor_norms` needs (LAMB's and LARC's aux)."""
-    owner = torch.empty(bucket.param.numel() // ALIGN, dtype=torch.long)
-    bounds = bucket.offsets[1:] + [bucket.param.numel()]
+    owner = torch.empty(bucket.grad.numel() // ALIGN, dtype=torch.long)
+    bounds = bucket.offsets[1:] + [bucket.grad.numel()]
     for i, (start, end) in enumerate(zip(bucket.offsets, bounds)):
         owner[start // ALIGN:end // ALIGN] = i
-    return owner.to(bucket.param.device), len(bucket.params)
+    return owner.to(bucket.grad.device), len(bucket.params)
 
 
 _ADAM_KEYS = ("lr", "betas", "eps", "weight_decay")

@@ -1,0 +1,106 @@
+"""Note [Parameters own their storage] (fxamp/optim/buffers/flat.py): after fxamp's optimizer
+is built, and after it steps, every parameter owns a storage of its own, as in eager torch, so
+that what reads the model (safetensors, `vector_to_parameters`, `data_ptr()`) sees the model
+eager torch would; what is written into a parameter between steps is where the next step
+starts. (Before, the parameters were views of one flat buffer: safetensors' `save_model`
+refused them, accelerate's `save_model` wrote 1 tensor of 4.)"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxamp
+import fxamp.optim as fo
+from optim_helpers import make_mlp
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _own_storage(model):
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return len(storages) == len(list(model.parameters())) and all(
+        p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters())
+
+
+def _train(model, opt, scaler=None, steps=2):
+    for i in range(steps):
+        x = torch.randn(32, 8, generator=torch.Generator().manual_seed(i))
+        loss = model(x.to(next(model.parameters()).dtype)).float().square().mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+        opt.step(scaler) if scaler else opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_parameters_own_their_storage_and_savers_write_every_tensor(level, tmp_path):
+    model = fxamp.compile(make_mlp(), opt_level=level, compiler="aot_eager")
+    opt = fo.AdamW(model.parameters(), lr=1e-2, compile=False)
+    assert _own_storage(model)
+    _train(model, opt, fo.LossScaler(compile=False))
+    assert _own_storage(model)
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_model(model, str(path))  # refused before: "shared tensors"
+    written = safetensors_torch.load_file(str(path))
+    assert set(written) == set(model.state_dict()) and len(written) == 4
+    assert all(torch.equal(written[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_step_matches_torch_and_writes_into_the_parameters_it_was_given():
+    model, ref = make_mlp(), make_mlp()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    opt = fo.AdamW(model.parameters(), lr=1e-2, compile=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _train(model, opt)
+    _train(ref, ref_opt)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)  # fp32 AdamW, another order
+
+
+def test_writes_between_steps_are_where_the_next_step_starts():
+    # load_state_dict (in place), vector_to_parameters (p.data replaced), a no_grad copy_:
+    # each is taken into the optimizer's flat weights (and masters at O2) before the step
+    model = fxamp.compile(make_mlp(), opt_level="O2", compiler="aot_eager")
+    opt = fo.AdamW(model.parameters(), lr=0.0, weight_decay=0.0, compile=False)
+    _train(model, opt, steps=1)
+    target = make_mlp(seed=1).to(torch.bfloat16)
+    writes = [
+        lambda: model.load_state_dict(target.state_dict()),
+        lambda: torch.nn.utils.vector_to_parameters(
+            torch.nn.utils.parameters_to_vector(target.parameters()), model.parameters()),
+        lambda: [p.copy_(t) for p, t in zip(model.parameters(), target.parameters())],
+    ]
+    for write in writes:
+        for p in model.parameters():
+            with torch.no_grad():
+                p.zero_()
+        _train(model, opt, steps=1)  # lr 0: the weights stay what they are
+        with torch.no_grad():
+            write()
+        _train(model, opt, steps=1)
+        for p, t in zip(model.parameters(), target.parameters()):
+            assert torch.equal(p, t)
+        for p in model.parameters():
+            assert torch.equal(opt.state[p]["master_param"].to(torch.bfloat16), p)
+
+
+def test_a_copy_of_the_model_is_not_stepped():
+    # copy.deepcopy of a model whose parameters are views of one buffer copied the buffer
+    # per parameter; now it is an ordinary copy, and the optimizer steps only the original
+    model = make_mlp()
+    opt = fo.SGD(model.parameters(), lr=0.1, compile=False)
+    twin = copy.deepcopy(model)
+    _train(model, opt, steps=1)
+    assert not torch.equal(model[0].weight, twin[0].weight)
+    assert _own_storage(twin)
+
+
+def test_a_step_moves_the_parameter_the_model_computes_with():
+    model = make_mlp()
+    opt = fo.SGD(model.parameters(), lr=0.5, compile=False)
+    before = model[0].weight.detach().clone()
+    F.linear(torch.ones(1, 8), model[0].weight).sum().backward()
+    opt.step()
+    assert torch.equal(model[0].weight, before - 0.5)
