@@ -44,7 +44,7 @@ def test_smoke_runs_every_stage_and_writes_the_report(tmp_path):
     assert len({r["group"] for r in rows.values()}) >= 2  # the smoke's budget forces groups
     timed = {(m["model"], m["recipe"]): m for m in report["e2e"]["results"]}
     assert set(timed) == {(model, recipe) for model in ("gpt2", "resnet")
-                          for recipe in ("eager", "compile", "fxamp-O2")}
+                          for recipe in ("eager", "compile", "ceiling", "fxamp-O2")}
     assert all(m["step_ms"] > 0 and m["throughput"] > 0 for m in timed.values())
     assert timed[("gpt2", "fxamp-O2")]["breakdown"]["fxamp_s"] > 0
     assert all(r["kernel_list"] and r["ready_s"] > 0 for r in rows.values())
