@@ -113,8 +113,14 @@ def test_loss_fn_overflow_is_reported_as_the_loss():
 
 
 def test_scaled_loss_gradient_overflowing_at_the_output():
+    # O1's fp32 output (Note [O1's outputs are fp32]): the scaled gradient overflows where the
+    # output's cast sends it back to f16; with a f16 output it overflows entering the graph
     model, x = _mlp()
     site = locate_overflow(model, x, loss_scale=1e5, **FP16).site
+    assert (site.phase, site.source_op, site.fix) == ("backward", "aten.to.dtype", {})
+    assert "lower the loss scale" in site.suggestion
+    site = locate_overflow(model, x, loss_scale=1e5, cast_model_outputs=torch.float16,
+                           **FP16).site
     assert (site.phase, site.op, site.fix) == ("backward", "tangent", {})
     assert "lower the loss scale" in site.suggestion
 
@@ -211,18 +217,20 @@ addmm: f16[8,32] = addmm(_to_copy_2, _to_copy, t)
 relu: f16[8,32] = relu(addmm)
 t_1: f16[32,4] = t(_to_copy_3)
 addmm_1: f16[8,4] = addmm(_to_copy_4, relu, t_1)
+_to_copy_5: f32[8,4] = _to_copy(addmm_1, dtype=f32)
 t_2: f16[4,32] = t(t_1)
-return [addmm_1, _to_copy, relu, t_2]""")
+return [_to_copy_5, _to_copy, relu, t_2]""")
         self.assertExpectedInline(plain[1], """\
 _to_copy: f16[8,16]
 relu: f16[8,32]
 t_2: f16[4,32]
-tangents_1: f16[8,4]
-mm: f16[8,32] = mm(tangents_1, t_2)
-t_3: f16[4,8] = t(tangents_1)
+tangents_1: f32[8,4]
+_to_copy_6: f16[8,4] = _to_copy(tangents_1, dtype=f16, layout=torch.strided, device=device(type='cpu'))
+mm: f16[8,32] = mm(_to_copy_6, t_2)
+t_3: f16[4,8] = t(_to_copy_6)
 mm_1: f16[4,32] = mm(t_3, relu)
 t_4: f16[32,4] = t(mm_1)
-sum_1: f16[1,4] = sum.dim_IntList(tangents_1, [0], True)
+sum_1: f16[1,4] = sum.dim_IntList(_to_copy_6, [0], True)
 view: f16[4] = view(sum_1, [4])
 t_5: f16[4,32] = t(t_4)
 detach: f16[8,32] = detach(relu)
@@ -234,11 +242,11 @@ t_7: f16[16,32] = t(mm_2)
 sum_2: f16[1,32] = sum.dim_IntList(threshold_backward, [0], True)
 view_1: f16[32] = view(sum_2, [32])
 t_8: f16[32,16] = t(t_7)
-_to_copy_5: f32[4] = _to_copy(view, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-_to_copy_6: f32[4,32] = _to_copy(t_5, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-_to_copy_7: f32[32] = _to_copy(view_1, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-_to_copy_8: f32[32,16] = _to_copy(t_8, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-return [_to_copy_8, _to_copy_7, None, _to_copy_6, _to_copy_5]""")
+_to_copy_7: f32[4] = _to_copy(view, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+_to_copy_8: f32[4,32] = _to_copy(t_5, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+_to_copy_9: f32[32] = _to_copy(view_1, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+_to_copy_10: f32[32,16] = _to_copy(t_8, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+return [_to_copy_10, _to_copy_9, None, _to_copy_8, _to_copy_7]""")
         # The debug tools compile the same graphs and leave no state behind.
         model, x = _mlp()
         locator = OverflowLocator()

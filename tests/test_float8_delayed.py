@@ -318,4 +318,6 @@ def test_more_models_than_dynamos_recompile_limit_all_compile():
         model = _compiled(Split())
         model(torch.randn(32, 64))
         counts.append(len(fxamp.backend_of(model).compiled_graphs))
-    assert counts == [2] * 12
+    # the forward's two graphs and the output's cast to fp32 (Note [O1's outputs are fp32]),
+    # which the model's call resumes into after the break
+    assert counts == [3] * 12

@@ -38,19 +38,21 @@ fc2_bias_bf16: bf16[4] = _to_copy(fc2_bias, dtype=bf16)  # fxamp
 linear: bf16[8,32] = linear(args_0_bf16, fc1_weight_bf16, fc1_bias_bf16)
 relu: bf16[8,32] = relu(linear)
 linear_1: bf16[8,4] = linear(relu, fc2_weight_bf16, fc2_bias_bf16)
-return [linear_1]""")
+to: f32[8,4] = to.dtype(linear_1, f32)  # fxamp boundary
+return [to]""")
         self.assertExpectedInline(bw, """\
 _to_copy: bf16[8,16]
 relu: bf16[8,32]
 detach: bf16[8,32]
 t_1: bf16[32,4]
-tangents_1: bf16[8,4]
+tangents_1: f32[8,4]
+_to_copy_6: bf16[8,4] = _to_copy(tangents_1, dtype=bf16, layout=torch.strided, device=device(type='cpu'))
 t_2: bf16[4,32] = t(t_1)
-mm: bf16[8,32] = mm(tangents_1, t_2)
-t_3: bf16[4,8] = t(tangents_1)
+mm: bf16[8,32] = mm(_to_copy_6, t_2)
+t_3: bf16[4,8] = t(_to_copy_6)
 mm_1: bf16[4,32] = mm(t_3, relu)
 t_4: bf16[32,4] = t(mm_1)
-sum_1: bf16[1,4] = sum.dim_IntList(tangents_1, [0], True)
+sum_1: bf16[1,4] = sum.dim_IntList(_to_copy_6, [0], True)
 view: bf16[4] = view(sum_1, [4])
 t_5: bf16[4,32] = t(t_4)
 detach_1: bf16[8,32] = detach(detach)
@@ -61,11 +63,11 @@ t_7: bf16[16,32] = t(mm_2)
 sum_2: bf16[1,32] = sum.dim_IntList(threshold_backward, [0], True)
 view_1: bf16[32] = view(sum_2, [32])
 t_8: bf16[32,16] = t(t_7)
-_to_copy_5: f32[4] = _to_copy(view, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-_to_copy_6: f32[4,32] = _to_copy(t_5, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-_to_copy_7: f32[32] = _to_copy(view_1, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-_to_copy_8: f32[32,16] = _to_copy(t_8, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-return [_to_copy_8, _to_copy_7, None, _to_copy_6, _to_copy_5]""")
+_to_copy_7: f32[4] = _to_copy(view, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+_to_copy_8: f32[4,32] = _to_copy(t_5, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+_to_copy_9: f32[32] = _to_copy(view_1, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+_to_copy_10: f32[32,16] = _to_copy(t_8, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+return [_to_copy_10, _to_copy_9, None, _to_copy_8, _to_copy_7]""")
 
     def test_mlp_o2(self):
         fw, bw = _graphs(models.mlp, "O2")
@@ -131,7 +133,8 @@ relu: bf16[2,4,8,8] = relu(batch_norm)
 max_pool2d: bf16[2,4,4,4] = max_pool2d(relu, [2, 2], [2, 2])
 flatten: bf16[2,64] = flatten.using_ints(max_pool2d, 1)
 linear: bf16[2,10] = linear(flatten, fc_weight_bf16, fc_bias_bf16)
-return [linear]""")
+to: f32[2,10] = to.dtype(linear, f32)  # fxamp boundary
+return [to]""")
         self.assertExpectedInline(bw, """\
 primals_7: f32[4]
 _to_copy: bf16[2,1,8,8]
@@ -146,13 +149,14 @@ detach: bf16[2,4,8,8]
 getitem_6: i64[2,4,4,4]
 view: bf16[2,64]
 t: bf16[64,10]
-tangents_1: bf16[2,10]
+tangents_1: f32[2,10]
+_to_copy_6: bf16[2,10] = _to_copy(tangents_1, dtype=bf16, layout=torch.strided, device=device(type='cpu'))
 t_1: bf16[10,64] = t(t)
-mm: bf16[2,64] = mm(tangents_1, t_1)
-t_2: bf16[10,2] = t(tangents_1)
+mm: bf16[2,64] = mm(_to_copy_6, t_1)
+t_2: bf16[10,2] = t(_to_copy_6)
 mm_1: bf16[10,64] = mm(t_2, view)
 t_3: bf16[64,10] = t(mm_1)
-sum_1: bf16[1,10] = sum.dim_IntList(tangents_1, [0], True)
+sum_1: bf16[1,10] = sum.dim_IntList(_to_copy_6, [0], True)
 view_1: bf16[10] = view(sum_1, [10])
 t_4: bf16[10,64] = t(t_3)
 view_2: bf16[2,4,4,4] = view(mm, [2, 4, 4, 4])
@@ -166,11 +170,11 @@ getitem_9: f32[4] = getitem(native_batch_norm_backward, 2)
 convolution_backward: (-, bf16[4,1,3,3], bf16[4]) = convolution_backward(getitem_7, _to_copy, _to_copy_1, [4], [1, 1], [1, 1], [1, 1], False, [0, 0], 1, [False, True, True])
 getitem_11: bf16[4,1,3,3] = getitem(convolution_backward, 1)
 getitem_12: bf16[4] = getitem(convolution_backward, 2)
-_to_copy_5: f32[10] = _to_copy(view_1, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-_to_copy_6: f32[10,64] = _to_copy(t_4, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-_to_copy_7: f32[4] = _to_copy(getitem_12, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-_to_copy_8: f32[4,1,3,3] = _to_copy(getitem_11, dtype=f32, layout=torch.strided, device=device(type='cpu'))
-return [_to_copy_8, _to_copy_7, None, None, None, None, getitem_8, getitem_9, _to_copy_6, _to_copy_5]""")
+_to_copy_7: f32[10] = _to_copy(view_1, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+_to_copy_8: f32[10,64] = _to_copy(t_4, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+_to_copy_9: f32[4] = _to_copy(getitem_12, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+_to_copy_10: f32[4,1,3,3] = _to_copy(getitem_11, dtype=f32, layout=torch.strided, device=device(type='cpu'))
+return [_to_copy_10, _to_copy_9, None, None, None, None, getitem_8, getitem_9, _to_copy_8, _to_copy_7]""")
 
     def test_cnn_o2(self):
         fw, bw = _graphs(models.cnn, "O2")

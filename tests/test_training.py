@@ -89,3 +89,39 @@ def test_o1_gradients_reach_fp32_params(references):
     for name, param in compiled.named_parameters():
         assert param.dtype == torch.float32 and param.grad.dtype == torch.float32, name
         assert param.grad.abs().sum() > 0, name
+
+
+def _classifier():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    gen = torch.Generator().manual_seed(1)
+    return model, torch.randn(32, 16, generator=gen) * 3, torch.randint(0, 10, (32,), generator=gen)
+
+
+def test_a_loss_module_outside_the_model_at_o1_fp16_trains_as_under_autocast():
+    # Note [O1's outputs are fp32]: the loss a plain loop computes on the output (here
+    # nn.CrossEntropyLoss, outside what fxamp compiled) is fp32, as under torch.autocast, so
+    # GradScaler's first scale (2**16) is taken, not skipped by construction: the reference is
+    # autocast fp16 + torch.amp.GradScaler("cpu") + torch.optim.SGD on the same loop.
+    base, x, y = _classifier()
+    criterion = torch.nn.CrossEntropyLoss()
+    ref, model = copy.deepcopy(base), copy.deepcopy(base)
+    ref_opt, ref_scaler = torch.optim.SGD(ref.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+    fxamp.compile(model, opt_level="O1", dtype=torch.float16, compiler="aot_eager")
+    opt, scaler = fxamp.optim.SGD(model.parameters(), lr=0.1), fxamp.LossScaler(semantics="torch")
+    for _ in range(3):
+        with torch.autocast("cpu", dtype=torch.float16):
+            ref_loss = criterion(ref(x), y)
+        ref_scaler.scale(ref_loss).backward()
+        ref_scaler.step(ref_opt), ref_scaler.update(), ref_opt.zero_grad()
+        out = model(x)
+        loss = criterion(out, y)
+        assert out.dtype == loss.dtype == torch.float32
+        scaler.scale(loss).backward()
+        opt.step(scaler), opt.zero_grad()
+        assert abs(loss.item() - ref_loss.item()) <= 1e-3 * ref_loss.item()
+    assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** 16  # no step skipped
+    assert int(scaler.skipped_steps) == 0
+    # fp16 GEMMs on both sides, summed in another order: within 1 % of how far SGD moved them
+    for (name, p), q, p0 in zip(model.named_parameters(), ref.parameters(), base.parameters()):
+        assert (p - q).norm() <= 1e-2 * (q - p0).norm(), name

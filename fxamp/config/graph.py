@@ -34,8 +34,9 @@ class GraphConfig:
             casts neither inputs nor outputs (Apex's `cast_model_type=False`).
         patch_torch_functions: O1's per-op casting (kept under Apex's name).
         keep_batchnorm_fp32: O2/O3: keep BatchNorm parameters, buffers and math in fp32.
-        cast_model_outputs: dtype floating outputs are cast to; None means fp32 at O2/O3 and
-            unchanged at O0/O1.
+        cast_model_outputs: dtype floating outputs are cast to; None means fp32 at O1/O2/O3
+            (Note [O1's outputs are fp32]) and unchanged at O0 and, at O1, where
+            `model_boundary` is "modules".
         policy: op-table preset, "torch-cuda", "torch-cpu" or "apex"; None picks the torch
             preset of the device.
         custom_policy: a `fxamp.policy.NodePolicy` consulted before the preset (from_opt_level
@@ -164,6 +165,18 @@ class GraphConfig:
             return self.cast_model_outputs
         if self.cast_model_type is False:  # Apex patched no forward then
             return None
+        if self.opt_level == "O1":
+            # Note [O1's outputs are fp32]: Apex's O1 patched torch's functions everywhere, so
+            # a loss computed outside the model (timm's criterion, a plain loop's
+            # nn.CrossEntropyLoss) ran its log_softmax in fp32, as it does under autocast.
+            # fxamp's casts are in the model's graph only: a 16-bit output would reach such a
+            # loss as is, a float16 loss whose scaled gradient (GradScaler's first scale,
+            # 2**16, is inf in float16) overflows by construction. The output is cast to fp32
+            # instead (as accelerate's convert_outputs_to_fp32 does for its autocast), at the
+            # cost of autocast's own cast inside the loss. Where the steps run under autocast
+            # (model_boundary "modules", the Lightning plugin) autocast's rules apply to the
+            # loss, and the layers' outputs stay 16-bit, as autocast's.
+            return torch.float32 if self.model_boundary == "call" else None
         return torch.float32 if self.opt_level in ("O2", "O3") else None
 
     def cache_key(self) -> str:
