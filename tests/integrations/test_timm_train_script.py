@@ -114,9 +114,9 @@ def test_recipe_trains_as_timms_own_amp(bf16_runs):
 
 @pytest.mark.slow
 def test_recipe_skips_real_fp16_overflows_and_resumes_exactly(train_py, tmp_path):
-    # fp16 at GradScaler's first scale (2**16) overflows at the first update, as under timm's
-    # own GradScaler on CUDA (on a CPU timm's script scales no loss): that step is skipped and
-    # the scale halved. --resume from the first epoch's checkpoint then continues the model,
+    # fp16 at GradScaler's first scale (2**16): the loss is fp32 (O1's output is: Note [O1's
+    # outputs are fp32]), and the steps whose fp16 backward overflows are skipped, the scale
+    # halved each time (on a CPU timm's own script scales no loss). --resume from the first epoch's checkpoint then continues the model,
     # its EMA, fxamp's optimizer and the loss scaler bit for bit. One image per class and one
     # batch of both: the shuffle a resumed run draws differently cannot change a sum of two,
     # so timm's own fp32 run resumes bit for bit too (checked first).
