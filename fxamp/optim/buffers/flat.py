@@ -115,7 +115,7 @@ class FlatBucket(Bucket):
         self.versions = [p._version for p in self.params]
         self.acc: Optional[torch.Tensor] = None  # fp32 unscaled gradients, see Optimizer.unscale_
         self._warned_foreign = False
-        self._weight_views: Optional[tuple[torch.Tensor, list[torch.Tensor]]] = None
+        self._weight_views: Optional[tuple[tuple[int, int], list[torch.Tensor]]] = None
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         shape = self.shapes[i]
@@ -205,8 +205,9 @@ class FlatBucket(Bucket):
         """Copy the updated flat weights into the parameters (Note [Parameters own their
         storage])."""
         weights = self.weights
-        if self._weight_views is None or self._weight_views[0] is not weights:
-            self._weight_views = (weights, self.views(weights))  # 128 views cost 0.5 ms a step
+        key = (id(weights), weights.data_ptr())
+        if self._weight_views is None or self._weight_views[0] != key:
+            self._weight_views = (key, self.views(weights))  # 128 views cost 0.5 ms a step
         with torch.no_grad():  # the master rounded to nearest, as the update rounds it
             foreach_copy_(self.params, self._weight_views[1])
         self.versions = [p._version for p in self.params]
