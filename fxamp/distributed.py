@@ -37,7 +37,13 @@ def state_dict(model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer
     parts not given are left out. Reads the loss scale back from the device."""
     out: dict[str, Any] = {"model": model.state_dict()}
     if optimizer is not None:
-        out["optimizer"] = optimizer.state_dict()
+        # DCP loads into what the dict holds: every parameter's state, also one a fresh
+        # optimizer has not stepped (Note [State appears when a parameter is stepped])
+        from fxamp.optim import checkpoint
+        from fxamp.optim.optimizer import FusedOptimizer
+
+        out["optimizer"] = (checkpoint.state_dict(optimizer, every=True)
+                            if isinstance(optimizer, FusedOptimizer) else optimizer.state_dict())
     if scaler is not None:
         out["scaler"] = scaler.state_dict()
     return out

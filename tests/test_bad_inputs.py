@@ -86,6 +86,8 @@ def _other_model_state():
     other = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3),
                                 torch.nn.ReLU(), torch.nn.Linear(3, 2))
     opt = fo.AdamW(other.parameters(), compile=False)
+    other(torch.randn(4, 3)).sum().backward()
+    opt.step()  # a state for each parameter (none before: as torch.optim's)
     return opt.state_dict()
 
 

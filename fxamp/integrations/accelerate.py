@@ -44,8 +44,9 @@ class Accelerator(accelerate.Accelerator):
     schedulers (built before or after `prepare`) step the fused optimizer and hold on a
     skipped step, as with accelerate's GradScaler, and `save_state` / `load_state` carry the
     loss scaler (`accelerator.scaler`). The model's floating outputs come back in fp32, as
-    accelerate's own mixed precision gives them (`cast_model_outputs` in `amp_options` to
-    change it).
+    accelerate's own mixed precision gives them (`convert_outputs_to_fp32`) and as fxamp's
+    levels do (Note [O1's outputs are fp32]; `cast_model_outputs` in `amp_options` to change
+    it).
 
     Args:
         opt_level: "O0", "O1", "O2" or "O3".
@@ -68,9 +69,6 @@ class Accelerator(accelerate.Accelerator):
         dtype = _dtype(kwargs.pop("mixed_precision", None), amp_options)
         if dtype is not None:
             amp_options["dtype"] = dtype
-        # accelerate hands the model's floating outputs back in fp32 (convert_outputs_to_fp32),
-        # so a loss computed from them is computed in fp32; fxamp's O1 would leave them 16-bit.
-        amp_options.setdefault("cast_model_outputs", torch.float32)
         _check_dynamo(kwargs.pop("dynamo_backend", None), kwargs.get("dynamo_plugin"))
         if kwargs.get("dynamo_plugin") is None:
             kwargs["dynamo_backend"] = "no"  # over ACCELERATE_DYNAMO_BACKEND=fxamp

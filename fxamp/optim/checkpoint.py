@@ -5,6 +5,14 @@ and "master_param" for 16-bit parameters), so the state dict is torch.optim's fo
 masters: torch.save writes each flat buffer once, `torch.load(..., weights_only=True)` reads it
 back, and a torch.optim state dict of the same parameters loads too. Loading copies into the
 live buffers, so the flat views and the compiled step stay valid.
+
+Note [State appears when a parameter is stepped]: torch.optim has no state for a parameter
+until a step() reaches it with a gradient (or a state dict loads one), and tools rely on it: a
+state dict taken before training is empty, so accelerate's checkpointing tests compare it with
+the one a fresh optimizer loads. The flat buffers exist from the start (zeroed); `held_state`
+holds every parameter's entry of views, and `opt.state` gets a parameter's entry when a step
+is taken with its gradient or a state dict holds one. DCP, which loads in place into what the
+state dict holds, gets every entry (`state_dict(opt, every=True)`, fxamp.distributed).
 """
 
 from __future__ import annotations
@@ -17,13 +25,13 @@ import torch
 from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.optim import param_checks
-from fxamp.optim.buffers.bucket import Bucket
+from fxamp.optim.buffers.bucket import Bucket, refresh_master
 from fxamp.optim.buffers.state_buffers import BucketState
 from fxamp.optim.functional.algorithms import Algorithm
 from fxamp.optim.functional.codecs import BLOCK
 
 
-__all__ = ["expose_state", "state_dict", "load_state_dict", "SCALE_SHARDS", "scale_shards",
+__all__ = ["expose_state", "publish_stepped", "state_dict", "load_state_dict", "SCALE_SHARDS", "scale_shards",
            "check_scale_shards", "keeps_codes"]
 
 log = logging.getLogger(__name__)
@@ -37,7 +45,8 @@ class Checkpointable(Protocol):
     """The public interface of a fused optimizer that its checkpoints are made from."""
 
     param_groups: list[dict[str, Any]]
-    state: dict[torch.Tensor, dict[str, Any]]  # torch.optim's, filled by expose_state
+    state: dict[torch.Tensor, dict[str, Any]]  # torch.optim's: the stepped parameters' entries
+    held_state: dict[torch.Tensor, dict[str, Any]]  # every parameter's (expose_state)
     algorithm: Algorithm  # its `state_keys` name the states
 
     @property
@@ -51,7 +60,10 @@ class Checkpointable(Protocol):
 
 
 def expose_state(opt: "Checkpointable") -> None:
-    """Fill `opt.state[p]` with per-parameter views of the flat state buffers."""
+    """Build `opt.held_state[p]`, per-parameter views of the flat state buffers, for every
+    parameter; those already in `opt.state` get their new entry there too (Note [State
+    appears when a parameter is stepped])."""
+    opt.held_state = {}
     for bucket, held in zip(opt.buckets, opt.bucket_states):
         per_key = _state_views(bucket, held, opt.algorithm.state_keys)
         if bucket.master is not None:
@@ -61,7 +73,20 @@ def expose_state(opt: "Checkpointable") -> None:
         for i, p in enumerate(bucket.params):
             entry: dict[str, Any] = {"step": opt.step_counts[bucket.group_index]}
             entry.update((k, views[i]) for k, views in per_key)
-            opt.state[p] = entry
+            opt.held_state[p] = entry
+    for p in list(opt.state):
+        if p in opt.held_state:
+            opt.state[p] = opt.held_state[p]
+
+
+def publish_stepped(opt: "Checkpointable") -> None:
+    """Give `opt.state` the entry of each parameter the step just taken had a gradient for."""
+    if len(opt.state) == len(opt.held_state):
+        return
+    for bucket in opt.buckets:
+        for p, got in zip(bucket.params, bucket.received):
+            if got and p not in opt.state:
+                opt.state[p] = opt.held_state[p]
 
 
 def _state_views(bucket: Bucket, held: BucketState,
@@ -108,7 +133,8 @@ def check_scale_shards(opt: "Checkpointable", saved: Optional[int]) -> None:
         f"Load it with {saved or 1} rank(s)")
 
 
-def state_dict(opt: "Checkpointable") -> dict[str, Any]:
+def state_dict(opt: "Checkpointable", every: bool = False) -> dict[str, Any]:
+    """torch.optim's layout: the entries of `opt.state` (of every parameter with `every`)."""
     ids = _param_ids(opt)
     groups = []
     for group in opt.param_groups:
@@ -117,7 +143,9 @@ def state_dict(opt: "Checkpointable") -> dict[str, Any]:
         groups.append(packed)
     # One "step" per parameter, as torch.optim keeps it: a shared one would be incremented once
     # per parameter by a torch optimizer that loads this dict.
-    state = {ids[id(p)]: {**entry, "step": entry["step"].clone()} for p, entry in opt.state.items()}
+    entries = opt.held_state if every else opt.state
+    state = {ids[id(p)]: {**entry, "step": entry["step"].clone()}
+             for p, entry in sorted(entries.items(), key=lambda item: ids[id(item[0])])}
     out = {"state": state, "param_groups": groups}
     shards = scale_shards(opt)
     if shards is not None:
@@ -146,6 +174,13 @@ def load_state_dict(opt: "Checkpointable", sd: dict[str, Any]) -> None:
         if loaded and not saw_step:
             # torch's SGD keeps no step; a loaded momentum buffer means the first step is past.
             opt.step_counts.clamp_(min=1)
+        # A parameter the dict has no state for starts from its weights, as torch's would.
+        given = {id(param) for _, _, param in entries}
+        for param, live in opt.held_state.items():
+            if id(param) not in given and "master_param" in live:
+                refresh_master(live["master_param"], param.detach())
+    for _, _, param in entries:
+        opt.state[param] = opt.held_state[param]
     for bucket in opt.buckets:
         bucket.mark_params_synced()
     log.debug("%s: loaded state for %d parameters", type(opt).__name__, len(sd["state"]))
@@ -178,7 +213,7 @@ def _checked_entries(opt: "Checkpointable", state: Any, params: list) -> list[tu
                               f"{type(opt).__name__} has {len(params)} (indices 0..."
                               f"{len(params) - 1}); is the state dict from another model?")
         param = params[int(index)]
-        live = opt.state.get(param)
+        live = opt.held_state.get(param)
         if live is not None:
             _check_entry(live, entry, param, int(index))
             out.append((live, entry, param))

@@ -148,6 +148,7 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         state.remove_hooks()
         self._device_state = DeviceState(state.device, state.fmt, fp32_masters=state.fp32_masters)
         self.state.clear()
+        self.held_state = {}
         self.master_grads.drop()
 
     @property
@@ -211,6 +212,7 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         else:
             self._fused_step(state.grads(), scaler,
                              check=scaler is not None or self.max_grad_norm is not None)
+        checkpoint.publish_stepped(self)  # Note [State appears when a parameter is stepped]
         # Unscaled gradients stay in .grad (the gathered path took them): another backward into
         # them must fold them first.
         self.folding.raw_scaler = self._unit if unscaled and gathered is None else None
@@ -290,11 +292,9 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
         return bool(self.found_inf.item())
 
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim's layout (per-parameter "step" and states, "param_groups") plus each
-        16-bit parameter's fp32 "master_param"; values are views of the live buffers."""
+        """torch.optim's layout plus fp32 "master_param"s; views of the live buffers."""
         return checkpoint.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load fxamp's or torch.optim's state dict (masters come from the parameters when the
-        dict has none) into the existing flat buffers."""
+        """Load fxamp's or torch.optim's state dict into the existing flat buffers."""
         checkpoint.load_state_dict(self, state_dict)

@@ -114,3 +114,31 @@ def test_mismatched_state_dict_is_refused():
         opt.load_state_dict(other.state_dict())
     with pytest.raises(ConfigError, match="not an optimizer state dict"):
         opt.load_state_dict({"scale": 1.0})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_state_appears_as_torch_optims_does(dtype):
+    # Note [State appears when a parameter is stepped]: none before a step, then the entries of
+    # the parameters the step had a gradient for, with torch.optim's keys (and the masters)
+    model, ref = make_mlp(dtype), make_mlp(torch.float32)
+    opt = fo.AdamW(model.parameters(), lr=1e-2, compile=False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    assert opt.state_dict()["state"] == ref_opt.state_dict()["state"] == {} and not opt.state
+    for m, o in ((model, opt), (ref, ref_opt)):
+        m[0].weight.requires_grad_(False)  # no gradient this step
+        m(torch.randn(4, m[0].in_features, dtype=m[0].weight.dtype)).float().sum().backward()
+        m[0].weight.requires_grad_(True)
+        o.step()
+    ours, torchs = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert sorted(ours) == sorted(torchs) and 0 not in ours
+    extra = {"master_param"} if dtype == torch.bfloat16 else set()
+    assert all(set(ours[i]) == set(torchs[i]) | extra for i in torchs)
+    # a fresh optimizer loading the empty dict of one never stepped stays as it was
+    fresh = fo.AdamW(make_mlp(dtype).parameters(), lr=1e-2, compile=False)
+    kept = snapshot(fresh)
+    fresh.load_state_dict(_roundtrip(fo.AdamW(make_mlp(dtype).parameters(), lr=1e-2,
+                                               compile=False).state_dict()))
+    assert bit_identical(snapshot(fresh), kept) and not fresh.state
+    # and loading a stepped one gives it the same entries
+    fresh.load_state_dict(_roundtrip(opt.state_dict()))
+    assert sorted(fresh.state_dict()["state"]) == sorted(ours)

@@ -246,7 +246,7 @@ def test_presets_keep_the_bytes_per_parameter_they_say(preset, expected):
     params[0].grad = torch.zeros_like(params[0])  # becomes a view of the flat gradient
     opt = fo.AdamW(params, state_format=preset, compile=False)
     kept = [t for p in params for t in (p, p.grad)] + [
-        v for s in opt.state.values() for v in s.values()] + [
+        v for s in opt.held_state.values() for v in s.values()] + [
         t for b in opt.buckets for t in (b.param, b.master) if t is not None]
     measured = (storage_bytes(kept) - 4) / params[0].numel()  # less the shared step count
     assert measured == StateFormat.from_preset(preset).bytes_per_param() == expected
@@ -319,8 +319,10 @@ def test_added_param_group_gets_the_format_and_a_refusal_is_atomic():
     model = make_mlp(torch.bfloat16)
     opt = fo.AdamW(model[0].parameters(), lr=1e-2, state_format="low_memory", compile=False)
     opt.add_param_group({"params": list(model[2].parameters())})
-    assert opt.state[model[2].weight]["exp_avg"].dtype == torch.int8
-    assert opt.state[model[2].weight]["master_correction"].dtype == torch.int8
+    # held before its first step (Note [State appears when a parameter is stepped])
+    assert model[2].weight not in opt.state
+    assert opt.held_state[model[2].weight]["exp_avg"].dtype == torch.int8
+    assert opt.held_state[model[2].weight]["master_correction"].dtype == torch.int8
     train(model, opt, 2)
     kept, groups = snapshot(opt), len(opt.param_groups)
     with pytest.raises(ConfigError, match="float16"):
