@@ -163,7 +163,12 @@ def load_state_dict(opt: "Checkpointable", sd: dict[str, Any]) -> None:
     if SCALE_SHARDS in sd or _holds_codes(sd["state"]):
         check_scale_shards(opt, sd.get(SCALE_SHARDS))
     params = [p for group in opt.param_groups for p in group["params"]]
-    entries = _checked_entries(opt, sd["state"], params)
+    # The saved groups' "params" name the state's keys, in our parameters' order (torch.optim's
+    # rule: indices in fxamp's and torch's dicts, fully qualified names in those of
+    # torch.distributed.checkpoint.state_dict's get_optimizer_state_dict)
+    saved_ids = [k for group in sd["param_groups"] for k in group["params"]]
+    keys = dict(zip(saved_ids, range(len(params))))
+    entries = _checked_entries(opt, sd["state"], params, keys)
     for group, saved in zip(opt.param_groups, sd["param_groups"]):
         group.update((k, v) for k, v in saved.items() if k != "params")
     saw_step = loaded = False
@@ -201,21 +206,25 @@ def _has_codes(held: BucketState) -> bool:
     return any(len(bufs) == 2 for bufs in held.states)  # codes and scales (codecs.new_state)
 
 
-def _checked_entries(opt: "Checkpointable", state: Any, params: list) -> list[tuple]:
+def _checked_entries(opt: "Checkpointable", state: Any, params: list,
+                     keys: dict[Any, int]) -> list[tuple]:
     """(live state, saved entry, parameter) per saved entry, every index, shape and step
     checked; entries of frozen parameters (not flattened, no state) are left out."""
     if not isinstance(state, dict):
         raise ConfigError(f"the state dict's 'state' is a {type(state).__name__}, not a dict")
     out = []
     for index, entry in state.items():
-        if not (isinstance(index, int) or str(index).isdigit()) or int(index) >= len(params):
+        position = keys.get(index)
+        if position is None and str(index).isdigit():
+            position = keys.get(int(index))
+        if position is None:
             raise ConfigError(f"state entry {index!r} names no parameter: this "
                               f"{type(opt).__name__} has {len(params)} (indices 0..."
                               f"{len(params) - 1}); is the state dict from another model?")
-        param = params[int(index)]
+        param = params[position]
         live = opt.held_state.get(param)
         if live is not None:
-            _check_entry(live, entry, param, int(index))
+            _check_entry(live, entry, param, position)
             out.append((live, entry, param))
     return out
 

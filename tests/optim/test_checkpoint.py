@@ -142,3 +142,21 @@ def test_state_appears_as_torch_optims_does(dtype):
     # and loading a stepped one gives it the same entries
     fresh.load_state_dict(_roundtrip(opt.state_dict()))
     assert sorted(fresh.state_dict()["state"]) == sorted(ours)
+
+
+def test_torch_distributed_state_dict_helpers_round_trip():
+    # torch.distributed.checkpoint.state_dict keys the state by parameter names (torchtitan's
+    # checkpoints): get_optimizer_state_dict of a fresh optimizer takes torch's lr-0 step, as
+    # it does with torch.optim's, and set_optimizer_state_dict loads by the groups' names
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    model, opt, scaler = _o2()
+    before = snapshot(opt)[1:]  # all but the step count
+    assert list(get_optimizer_state_dict(model, opt)["state"])[0] == "0.weight"
+    assert bit_identical(snapshot(opt)[1:], before)
+    train(model, opt, 2, scaler=scaler)
+    saved = _roundtrip(get_optimizer_state_dict(model, opt))
+    other = fo.AdamW(model.parameters(), lr=1e-2, compile=False)
+    set_optimizer_state_dict(model, other, saved)
+    assert bit_identical(snapshot(other), snapshot(opt))
