@@ -239,6 +239,24 @@ def test_o1_fp16_with_overflow_matches_lightning_16_mixed():
 
 
 # ------------------------------------------------------------ Lightning's own tests, ported
+# Each runs twice: with Lightning's own MixedPrecision (the reference: it must pass) and with
+# fxamp's plugin in its place (which must pass the same).
+TOOLS = ["lightning", "fxamp"]
+
+
+def _plugin(tool, precision="bf16"):
+    if tool == "lightning":
+        return MixedPrecision(f"{precision}-mixed", "cpu")
+    return _fxamp("O1", precision)
+
+
+def _stage(scaler, optimizer):
+    """Where the scaler is with `optimizer`: torch's GradScaler keeps it privately."""
+    if hasattr(scaler, "optimizer_state"):
+        return scaler.optimizer_state(optimizer)
+    return scaler._per_optimizer_states[id(optimizer)]["stage"]
+
+
 class _BoringStyle(Classifier):
     """tests_pytorch/plugins/test_amp_plugins.py's TestPrecisionModel: the gradients are scaled
     in on_after_backward, unscaled (the optimizer UNSCALED) in on_before_optimizer_step, and
@@ -252,7 +270,7 @@ class _BoringStyle(Classifier):
 
     def on_before_optimizer_step(self, optimizer, *_):
         scaler = self.trainer.precision_plugin.scaler
-        assert scaler.optimizer_state(optimizer) is OptState.UNSCALED
+        assert _stage(scaler, optimizer) is OptState.UNSCALED
         for actual, expected in zip((p.grad for p in self.parameters()), self.original_grads):
             torch.testing.assert_close(actual, expected, equal_nan=True)
         self.clipped = []
@@ -279,17 +297,19 @@ class _BoringStyle(Classifier):
         return ClippingSGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.parametrize("tool", TOOLS)
 @pytest.mark.parametrize("accumulate", [1, 2])
-def test_amp_gradient_unscale(accumulate):
+def test_amp_gradient_unscale(accumulate, tool):
     model = _BoringStyle()
-    trainer = _trainer(_fxamp("O1", "16"), max_epochs=2, limit_train_batches=4,
+    trainer = _trainer(_plugin(tool, "16"), max_epochs=2, limit_train_batches=4,
                        gradient_clip_val=1e-3, gradient_clip_algorithm="value",
                        accumulate_grad_batches=accumulate)
     trainer.fit(model, _loader())
     assert trainer.global_step == 2 * 4 // accumulate
 
 
-def test_skip_training_step_with_grad_scaler():
+@pytest.mark.parametrize("tool", TOOLS)
+def test_skip_training_step_with_grad_scaler(tool):
     # tests_pytorch/plugins/precision/test_amp_integration.py: a training_step that returns
     # None skips its backward, and the scaler too.
     class SkipOdd(Classifier):
@@ -301,7 +321,7 @@ def test_skip_training_step_with_grad_scaler():
         def on_train_batch_end(self, *args):
             pass
 
-    plugin = _fxamp("O1", "16")
+    plugin = _plugin(tool, "16")
     trainer = _trainer(plugin, max_steps=5, gradient_clip_val=0.5)
     model = SkipOdd()
     plugin.convert_module(model)  # makes the scaler, which the mock then wraps
@@ -312,16 +332,18 @@ def test_skip_training_step_with_grad_scaler():
     assert plugin.scaler.update.call_count == 3
 
 
+@pytest.mark.parametrize("tool", TOOLS)
 @pytest.mark.parametrize("clip_val", [0, 10])
-def test_precision_16_clip_gradients(clip_val):
+def test_precision_16_clip_gradients(clip_val, tool):
     # tests_pytorch/models/test_amp.py: clipping only when gradient_clip_val > 0.
     with mock.patch("torch.nn.utils.clip_grad_norm_") as clip:
-        _trainer(_fxamp("O1", "16"), limit_train_batches=4,
+        _trainer(_plugin(tool, "16"), limit_train_batches=4,
                  gradient_clip_val=clip_val).fit(Classifier(), _loader())
     assert clip.called == (clip_val > 0)
 
 
-def test_amp_skip_optimizer():
+@pytest.mark.parametrize("tool", TOOLS)
+def test_amp_skip_optimizer(tool):
     # tests_pytorch/plugins/test_amp_plugins.py: manual optimization with two optimizers, only
     # the second of which steps; the step still runs in the precision.
     class TwoOptimizers(Classifier):
@@ -347,12 +369,13 @@ def test_amp_skip_optimizer():
     model = TwoOptimizers()
     encoder = copy.deepcopy(model.encoder.state_dict())
     head = model.head.weight.detach().clone()
-    _trainer(_fxamp("O1", "16"), max_steps=3).fit(model, _loader())
+    _trainer(_plugin(tool, "16"), max_steps=3).fit(model, _loader())
     assert all(torch.equal(v, encoder[k]) for k, v in model.encoder.state_dict().items())
     assert not torch.equal(model.head.weight, head)
 
 
-def test_no_grad_inside_a_step_keeps_the_loss_differentiable():
+@pytest.mark.parametrize("tool", TOOLS)
+def test_no_grad_inside_a_step_keeps_the_loss_differentiable(tool):
     # tests_pytorch/plugins/precision/test_amp.py (test_amp_with_no_grad): a no_grad forward of
     # the same layer before the loss does not cut the loss's graph.
     class Teacher(Classifier):
@@ -366,7 +389,7 @@ def test_no_grad_inside_a_step_keeps_the_loss_differentiable():
 
     model = Teacher(expect=torch.bfloat16)
     before = _weights(model)
-    _trainer(_fxamp("O1"), max_steps=2).fit(model, _loader())
+    _trainer(_plugin(tool), max_steps=2).fit(model, _loader())
     assert not torch.equal(_weights(model), before)
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import enum
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -40,12 +39,11 @@ if TYPE_CHECKING:
 __all__ = ["OptState", "OptimizerStates", "held"]
 
 
-class OptState(enum.Enum):
-    """Where an optimizer is between two `update()`s, as GradScaler names it."""
-
-    READY = 0  # nothing done since the last update()
-    UNSCALED = 1  # unscale_(opt) ran: .grad holds the unscaled gradients
-    STEPPED = 2  # step(opt) ran (or skipped the step)
+# Where an optimizer is between two `update()`s: GradScaler's own enum (READY: nothing done
+# since the last update(); UNSCALED: unscale_(opt) ran, .grad holds the unscaled gradients;
+# STEPPED: step(opt) ran or skipped the step), so that code comparing a stage with torch's
+# (Lightning's tests do) reads fxamp's scaler as it reads GradScaler.
+OptState = torch.amp.grad_scaler.OptState
 
 
 @dataclasses.dataclass
