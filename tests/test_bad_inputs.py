@@ -124,6 +124,8 @@ CASES = [
      ["cast_model_type=torch.bfloat16", "conflicts with dtype=torch.float16"]),
     ("outputs_int8", compile_(opt_level="O2", cast_model_outputs="int8"),
      ["cast_model_outputs='int8'", "torch.float32"]),
+    ("outputs_true", compile_(opt_level="O1", cast_model_outputs=True),
+     ["cast_model_outputs=True", "or False (the bool: leave the outputs as computed)"]),
     ("policy_typo", compile_(policy="apx"), ["policy='apx'", "torch-cuda, torch-cpu, apex"]),
     ("op_override_choice", compile_(op_overrides={"aten.softmax": "fp16"}),
      ["'fp16'", "lower, fp32, promote, keep"]),

@@ -125,3 +125,10 @@ def test_a_loss_module_outside_the_model_at_o1_fp16_trains_as_under_autocast():
     # fp16 GEMMs on both sides, summed in another order: within 1 % of how far SGD moved them
     for (name, p), q, p0 in zip(model.named_parameters(), ref.parameters(), base.parameters()):
         assert (p - q).norm() <= 1e-2 * (q - p0).norm(), name
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_cast_model_outputs_false_leaves_the_outputs_as_computed(level):
+    model, x, _ = _classifier()
+    fxamp.compile(model, opt_level=level, cast_model_outputs=False, compiler="aot_eager")
+    assert model(x).dtype == torch.bfloat16  # the last linear's, not O1/O2's fp32

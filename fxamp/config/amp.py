@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 
 from fxamp.config.graph import GraphConfig
-from fxamp.config.keywords import (as_bool, as_dtype, as_loss_scale, as_model_type,
+from fxamp.config.keywords import (as_bool, as_dtype, as_loss_scale, as_model_type, as_outputs,
                                    check_opt_level)
 from fxamp.config.scaler import ScalerConfig
 from fxamp.errors import ConfigError
@@ -165,8 +165,8 @@ class AmpConfig:
             cast_model_type=preset["cast_model_type"],
             patch_torch_functions=preset["patch_torch_functions"],
             keep_batchnorm_fp32=preset["keep_batchnorm_fp32"],
-            cast_model_outputs=None if cast_model_outputs is None else as_dtype(
-                cast_model_outputs, "cast_model_outputs", (torch.float32, *LOW_DTYPES)),
+            cast_model_outputs=None if cast_model_outputs is None else as_outputs(
+                cast_model_outputs),
             policy=None if isinstance(policy, NodePolicy) else policy,
             custom_policy=policy if isinstance(policy, NodePolicy) else None,
             op_overrides=_freeze_overrides(op_overrides),

@@ -34,9 +34,9 @@ class GraphConfig:
             casts neither inputs nor outputs (Apex's `cast_model_type=False`).
         patch_torch_functions: O1's per-op casting (kept under Apex's name).
         keep_batchnorm_fp32: O2/O3: keep BatchNorm parameters, buffers and math in fp32.
-        cast_model_outputs: dtype floating outputs are cast to; None means fp32 at O1/O2/O3
-            (Note [O1's outputs are fp32]) and unchanged at O0 and, at O1, where
-            `model_boundary` is "modules".
+        cast_model_outputs: dtype floating outputs are cast to, or False to leave them as
+            computed; None means fp32 at O1/O2/O3 (Note [O1's outputs are fp32]) and unchanged
+            at O0 and, at O1, where `model_boundary` is "modules".
         policy: op-table preset, "torch-cuda", "torch-cpu" or "apex"; None picks the torch
             preset of the device.
         custom_policy: a `fxamp.policy.NodePolicy` consulted before the preset (from_opt_level
@@ -62,7 +62,7 @@ class GraphConfig:
     cast_model_type: Union[torch.dtype, None, bool] = None
     patch_torch_functions: bool = True
     keep_batchnorm_fp32: Optional[bool] = None
-    cast_model_outputs: Optional[torch.dtype] = None
+    cast_model_outputs: Union[torch.dtype, None, bool] = None
     policy: Optional[str] = None
     custom_policy: Optional[NodePolicy] = None
     op_overrides: tuple[tuple[str, str], ...] = ()
@@ -161,6 +161,8 @@ class GraphConfig:
     @property
     def output_dtype(self) -> Optional[torch.dtype]:
         """dtype floating model outputs are cast to, or None to leave them."""
+        if self.cast_model_outputs is False:
+            return None
         if self.cast_model_outputs is not None:
             return self.cast_model_outputs
         if self.cast_model_type is False:  # Apex patched no forward then

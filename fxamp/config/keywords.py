@@ -45,6 +45,18 @@ def as_model_type(value: Any) -> Union[torch.dtype, bool]:
     return as_dtype(value, "cast_model_type", (torch.float32, *LOW_DTYPES))
 
 
+def as_outputs(value: Any) -> Union[torch.dtype, bool]:
+    """`cast_model_outputs`: a dtype floating outputs are cast to, or False to leave them as
+    the graph computes them (a model whose outputs another model consumes: torchtitan's)."""
+    if value is False:
+        return False
+    if value is True or value in ("True", "False"):
+        raise ConfigError(f"cast_model_outputs={value!r} must be a dtype (torch.float32, "
+                          "torch.float16, torch.bfloat16) or False (the bool: leave the outputs "
+                          "as computed)")
+    return as_dtype(value, "cast_model_outputs", (torch.float32, *LOW_DTYPES))
+
+
 def as_bool(value: Any, what: str) -> bool:
     # Apex accepts the strings "True"/"False" because its launch scripts pass argv through.
     if isinstance(value, bool):

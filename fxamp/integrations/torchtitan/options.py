@@ -30,7 +30,11 @@ def amp_config(opt_level: Any, dtype: Any, float8: Any, compiler: Any,
         raise ConfigError(f"{name('dtype')}={dtype!r}: torchtitan scales no loss, and float16 "
                           "gradients overflow without it; use bfloat16")
     check_compiler(compiler, None, None)
-    return AmpConfig.from_opt_level(opt_level, dtype="bfloat16", float8=float8 or None)
+    # The model's output is the hidden state that torchtitan's loss hands to lm_head and
+    # upcasts itself, and FSDP's MixedPrecisionPolicy leaves outputs alone: fxamp leaves them
+    # too, instead of O1's fp32 outputs (an fp32 copy lm_head would cast back).
+    return AmpConfig.from_opt_level(opt_level, dtype="bfloat16", float8=float8 or None,
+                                    cast_model_outputs=False)
 
 
 def check_compile(compile_config: Any, fix: str) -> None:
