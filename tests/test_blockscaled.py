@@ -400,3 +400,18 @@ def test_nvfp4_gemm_matches_torchaos_emulated_mm_in_float32(ao):
     fmt = BlockFormat(fmt="nvfp4", rule="emulated")
     assert torch.equal(blockscaled_mm(a, w.t(), a_format=fmt, b_format=fmt),
                        torch.mm(nv(a), nv(w).t()))
+
+
+@pytest.mark.parametrize("fmt", ["mxfp8", "nvfp4"])
+def test_a_batched_gemms_entries_are_separate_gemms(fmt):
+    # each entry of a batched GEMM quantizes as the 2-D GEMM of that entry would: NVFP4's
+    # per-tensor scale is per entry, so an entry of large values leaves the others' alone
+    from fxamp.float8.block_gemm import block_formats, block_mm
+
+    g = torch.Generator().manual_seed(11)
+    a = torch.randn(3, 32, 64, generator=g).bfloat16()
+    b = (torch.randn(3, 64, 48, generator=g) * torch.tensor([1.0, 1e4, 1e-3])[:, None, None])
+    act, weight = block_formats(fmt)
+    got = block_mm(a, b.bfloat16(), act, weight, torch.float32)
+    for i in range(3):
+        assert torch.equal(got[i], block_mm(a[i], b[i].bfloat16(), act, weight, torch.float32))

@@ -92,7 +92,9 @@ class AllKinds(torch.nn.Module):
 
 
 def _q(t, fmt, dim):
-    return fake_quantize(t, fmt, dim=dim, other_dim=-1 if dim == -2 else -2).double()
+    # a batched operand's entries are separate tensors (NVFP4: a per-tensor scale each)
+    return fake_quantize(t, fmt, dim=dim, other_dim=-1 if dim == -2 else -2,
+                         batch_dims=t.dim() - 2).double()
 
 
 def _reference(a, b, g, recipe):

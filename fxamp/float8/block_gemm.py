@@ -52,9 +52,11 @@ def _t(x: torch.Tensor) -> torch.Tensor:
 def block_mm(a: torch.Tensor, b: torch.Tensor, a_format: BlockFormat, b_format: BlockFormat,
              out_dtype: torch.dtype) -> torch.Tensor:
     """`blockscaled_mm(a, b, ...)` for a [..., M, K] and b [..., K, N] (batched b too): a along
-    dim -1, b along dim -2, tiles over the other of the last two dims."""
-    a_dq = fake_quantize(a, a_format, dim=-1, other_dim=-2)
-    b_dq = fake_quantize(b, b_format, dim=-2, other_dim=-1)
+    dim -1, b along dim -2, tiles over the other of the last two dims. A batched GEMM's entries
+    are separate GEMMs: each has its own NVFP4 per-tensor scales."""
+    batch = b.dim() - 2 if a.dim() == b.dim() else 0
+    a_dq = fake_quantize(a, a_format, dim=-1, other_dim=-2, batch_dims=batch)
+    b_dq = fake_quantize(b, b_format, dim=-2, other_dim=-1, batch_dims=batch)
     return torch.matmul(a_dq, b_dq).to(out_dtype)
 
 

@@ -59,9 +59,11 @@ class BlockFormat:
 
 
 def fake_quantize(x: torch.Tensor, fmt: BlockFormat, *, dim: int,
-                  other_dim: Optional[int] = None, noise: Noise = None) -> torch.Tensor:
+                  other_dim: Optional[int] = None, noise: Noise = None,
+                  batch_dims: int = 0) -> torch.Tensor:
     """`x` quantized along `dim` and dequantized, in float32 (after the Hadamard transform when
-    `fmt.rht_signs` is set). `other_dim` is the tile's second dim for `fmt.tiles`."""
+    `fmt.rht_signs` is set). `other_dim` is the tile's second dim for `fmt.tiles`;
+    `batch_dims` leading dims are separate tensors (NVFP4: a per-tensor scale each)."""
     if fmt.tiles and other_dim is None:
         raise ValueError("16x16 blocks (tiles=True) need other_dim, the tile's second dim")
     if fmt.fmt == "mxfp8":
@@ -72,7 +74,7 @@ def fake_quantize(x: torch.Tensor, fmt: BlockFormat, *, dim: int,
     if fmt.rht_signs is not None:
         x = hadamard_transform(x, fmt.rht_signs, dim=dim)
     q = nvfp4_quantize(x, dim=dim, tile_dim=other_dim if fmt.tiles else None, rule=fmt.rule,
-                       stochastic=noise if fmt.stochastic else None)
+                       stochastic=noise if fmt.stochastic else None, batch_dims=batch_dims)
     return nvfp4_dequantize(q)
 
 

@@ -124,7 +124,7 @@ def hadamard_transform(x: torch.Tensor, signs: Sequence[int], *, dim: int = -1) 
 def nvfp4_quantize(x: torch.Tensor, *, dim: int = -1, tile_dim: Optional[int] = None,
                    rule: str = "kernel", amax: Optional[torch.Tensor] = None,
                    stochastic: Union[None, torch.Generator, torch.Tensor] = None,
-                   ) -> NVFP4Quantized:
+                   batch_dims: int = 0) -> NVFP4Quantized:
     """Quantize `x` to NVFP4 along `dim` (its GEMM's reduction dim), in blocks of 16.
 
     Args:
@@ -137,6 +137,8 @@ def nvfp4_quantize(x: torch.Tensor, *, dim: int = -1, tile_dim: Optional[int] = 
         stochastic: None rounds to nearest even; a torch.Generator draws the rounding noise from
             it (torch.rand); an int64 seed tensor hashes (seed, element index) into the noise,
             with no RNG state at all. Either way nothing global is read or advanced.
+        batch_dims: how many leading dims index separate tensors (the entries of a batched
+            GEMM: one per-tensor scale each, `tensor_scale` then shaped [*batch, 1, ...]).
 
     Returns:
         `NVFP4Quantized`. With rule="emulated", dim=-1 and x 2-D, scale and data equal torchao's
@@ -146,7 +148,10 @@ def nvfp4_quantize(x: torch.Tensor, *, dim: int = -1, tile_dim: Optional[int] = 
         raise ValueError(f"NVFP4 rule {rule!r} is not one of {', '.join(map(repr, NVFP4_RULES))}")
     blocks = to_blocks(x, dim, NVFP4_BLOCK)
     data = blocks.data
-    amax = (data.abs().amax() if amax is None else amax).to(torch.float32)
+    if amax is None:  # per tensor, or per entry of the leading `batch_dims`
+        amax = data.abs().amax(dim=tuple(range(batch_dims, data.dim())), keepdim=True)
+        amax = amax.reshape(amax.shape[:batch_dims] + (1,) * (data.dim() - batch_dims))
+    amax = amax.to(torch.float32)
     block_amax = data.abs().amax(dim=-1, keepdim=True)
     if tile_dim is not None:
         block_amax = _tile_amax(block_amax, _moved_index(tile_dim % x.dim(), blocks.dim))
@@ -162,6 +167,9 @@ def nvfp4_quantize(x: torch.Tensor, *, dim: int = -1, tile_dim: Optional[int] = 
     scaled = torch.clamp(data * inverse, -E2M1_MAX, E2M1_MAX)
     codes = e2m1_encode(scaled, _noise(stochastic, scaled))
     packed = pack_e2m1(codes.flatten(-2)).movedim(-1, blocks.dim)
+    # the tensor scale broadcasts against the input's layout ([*batch, 1, ...]; 0-dim unbatched)
+    tensor_scale = tensor_scale.reshape(tensor_scale.shape[:batch_dims]
+                                        + (1,) * (x.dim() - batch_dims) if batch_dims else ())
     return NVFP4Quantized(packed, blocks.restore(scale), tensor_scale, blocks.dim)
 
 
