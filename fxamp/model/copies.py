@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch
 
+from fxamp._compat import COMPILED_CALL_ATTR
+
 __all__ = ["make_copyable", "forget_copyable"]
 
 _REDUCE = "__reduce_ex__"
@@ -30,8 +32,11 @@ class _Reducer:
         self.module, self.rebuild, self.args, self.own = module, rebuild, args, own
 
     def __call__(self, protocol: int) -> tuple:
-        state = self.module.__getstate__()  # already without the compiled call
-        state = {k: v for k, v in state.items() if k != _REDUCE and k not in self.own}
+        # nn.Module.__getstate__ leaves the compiled call out; a subclass's own (Lightning's
+        # LightningModule) may not, and the copy compiles its own call anyway
+        state = self.module.__getstate__()
+        drop = {_REDUCE, COMPILED_CALL_ATTR, *self.own}
+        state = {k: v for k, v in state.items() if k not in drop}
         return self.rebuild, (type(self.module), *self.args), state
 
 

@@ -441,6 +441,18 @@ def test_a_copy_runs_its_own_steps(fxamp_runs):
     assert model.predict_step(batch, 0).std() > 0
 
 
+def test_torch_save_of_a_trained_module_round_trips(fxamp_runs, tmp_path):
+    # torch.save(model) pickles the module (LightningModule.__getstate__ keeps what
+    # nn.Module's drops: the compiled call, which failed to pickle); the loaded one is compiled
+    # by fxamp as the original was and predicts the same
+    model = fxamp_runs("O2")[0]
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert fxamp.config_of(loaded).opt_level == "O2"
+    batch = next(iter(_loader()))
+    assert torch.equal(loaded.predict_step(batch, 0), model.predict_step(batch, 0))
+
+
 def test_a_float_target_is_not_cast():
     # At O2 the modules a step calls compute in 16 bits; the step's own code around them, the
     # loss against the batch's fp32 targets, runs in fp32, as around Apex's model. A target
