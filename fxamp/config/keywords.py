@@ -36,25 +36,28 @@ def as_dtype(value: Any, what: str, allowed: tuple[torch.dtype, ...]) -> torch.d
 def as_model_type(value: Any) -> Union[torch.dtype, bool]:
     # Apex casts the model only `if properties.cast_model_type:`, so False (multi-model and
     # fine-tuning scripts pass it) means "leave the model's dtypes alone" at every level.
-    if value is False:
-        return False
-    if value is True or value in ("True", "False"):
-        raise ConfigError(f"cast_model_type={value!r} must be a dtype (torch.float16, "
-                          "torch.bfloat16, torch.float32) or False (the bool: leave the model's "
-                          "dtypes alone)")
-    return as_dtype(value, "cast_model_type", (torch.float32, *LOW_DTYPES))
+    return _dtype_or_false(value, "cast_model_type",
+                           "torch.float16, torch.bfloat16, torch.float32",
+                           "leave the model's dtypes alone")
 
 
 def as_outputs(value: Any) -> Union[torch.dtype, bool]:
     """`cast_model_outputs`: a dtype floating outputs are cast to, or False to leave them as
     the graph computes them (a model whose outputs another model consumes: torchtitan's)."""
+    return _dtype_or_false(value, "cast_model_outputs",
+                           "torch.float32, torch.float16, torch.bfloat16",
+                           "leave the outputs as computed")
+
+
+def _dtype_or_false(value: Any, what: str, dtypes: str, false_means: str
+                    ) -> Union[torch.dtype, bool]:
+    # False (the bool) is a choice of its own; True and the strings are refused, not read as it
     if value is False:
         return False
     if value is True or value in ("True", "False"):
-        raise ConfigError(f"cast_model_outputs={value!r} must be a dtype (torch.float32, "
-                          "torch.float16, torch.bfloat16) or False (the bool: leave the outputs "
-                          "as computed)")
-    return as_dtype(value, "cast_model_outputs", (torch.float32, *LOW_DTYPES))
+        raise ConfigError(f"{what}={value!r} must be a dtype ({dtypes}) or False (the bool: "
+                          f"{false_means})")
+    return as_dtype(value, what, (torch.float32, *LOW_DTYPES))
 
 
 def as_bool(value: Any, what: str) -> bool:

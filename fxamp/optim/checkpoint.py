@@ -31,8 +31,8 @@ from fxamp.optim.functional.algorithms import Algorithm
 from fxamp.optim.functional.codecs import BLOCK
 
 
-__all__ = ["expose_state", "publish_stepped", "state_dict", "load_state_dict", "SCALE_SHARDS", "scale_shards",
-           "check_scale_shards", "keeps_codes"]
+__all__ = ["expose_state", "publish_stepped", "state_dict", "load_state_dict", "SCALE_SHARDS",
+           "scale_shards", "check_scale_shards", "keeps_codes"]
 
 log = logging.getLogger(__name__)
 _CODES = {torch.int8, torch.uint8}

@@ -12,7 +12,6 @@ pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
 import accelerate  # noqa: E402
-from accelerate.state import AcceleratorState  # noqa: E402
 
 import fxamp  # noqa: E402
 from fxamp.errors import ConfigError  # noqa: E402
@@ -169,15 +168,6 @@ def test_accumulate_and_unscale_gradients_alone():
 # hold on a step skipped for overflow exactly as accelerate's AcceleratedScheduler does with
 # GradScaler (it asks the prepared optimizer's `step_was_skipped`).
 SCHED_STEPS, SCHED_OVERFLOW = 6, 2
-
-
-@pytest.fixture
-def fresh_state():
-    """accelerate's process-wide state reset around the test, as accelerate's own tests do
-    (AccelerateTestCase): the reference runs with mixed_precision="fp16", fxamp's with "no"."""
-    AcceleratorState._reset_state(True)
-    yield AcceleratorState._reset_state
-    AcceleratorState._reset_state(True)
 
 
 def _reference_accelerator():

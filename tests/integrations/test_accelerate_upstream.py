@@ -31,14 +31,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import fxamp.integrations.accelerate  # noqa: E402
 
 PRECISIONS = ["accelerate", "fxamp"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    """accelerate's process-wide state reset around each test (its AccelerateTestCase)."""
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
+pytestmark = pytest.mark.usefixtures("fresh_state")  # accelerate's AccelerateTestCase resets
 
 
 def _accelerator(precision, **kwargs):

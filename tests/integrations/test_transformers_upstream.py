@@ -23,19 +23,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
-from accelerate.state import AcceleratorState  # noqa: E402
 
 import fxamp  # noqa: E402
 from fxamp.integrations.transformers import Trainer as FxampTrainer  # noqa: E402
 
 PRECISIONS = ["transformers", "fxamp"]
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    AcceleratorState._reset_state(True)
-    yield
-    AcceleratorState._reset_state(True)
+pytestmark = pytest.mark.usefixtures("fresh_state")  # accelerate's process-wide state
 
 
 class Points(torch.utils.data.Dataset):
