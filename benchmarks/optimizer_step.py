@@ -353,9 +353,12 @@ def check_targets(results: dict, device) -> list[str]:
     o1, o2 = rows.get("O1", {}), rows.get("O2", {})
     at_least, at_most = [], []  # (what, value, bound)
     if device.type == "cpu" and "fxamp" in o1:
-        for name, need in (("eager O2", 1.0), ("foreach+GS", 3.0)):
+        for name, need in (("eager O2", 1.0), ("fused+GS", 1.25), ("foreach+GS", 3.0)):
             if name in o1:
                 at_least.append((f"O1 fxamp vs {name} >= {need}x", o1[name]["ratio"][0], need))
+        for name, need in (("eager O2", 1.0), ("fused+GS", 1.25)):
+            if name in o2 and "fxamp" in o2:
+                at_least.append((f"O2 fxamp vs {name} >= {need}x", o2[name]["ratio"][0], need))
         at_least.append(("O1 fxamp share of copy bandwidth @28 B >= 0.8",
                          REQUIRED_BYTES * n / o1["fxamp"]["s"] / 1e9 / copy_gbs, 0.8))
     if device.type == "cuda" and "fxamp" in o2:

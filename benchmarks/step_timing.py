@@ -19,12 +19,18 @@ NO_KERNEL = {"aten::empty", "aten::empty_strided", "aten::view", "aten::slice", 
 
 
 def storage_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind `tensors` (views of one flat buffer count once)."""
-    seen = {}
-    for t in tensors:
-        s = t.untyped_storage()
-        seen[s.data_ptr()] = s.nbytes()
-    return sum(seen.values())
+    """Bytes of the memory behind `tensors`' storages, each byte once: views of one buffer, and
+    storages that are windows into another's memory (fxamp's parameters: Note [Parameters own
+    their storage] in fxamp/optim/buffers/flat.py), count once."""
+    spans = sorted({(str(t.device), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                    for t in tensors})
+    total, end, device = 0, 0, None
+    for dev, start, size in spans:
+        if dev != device:
+            device, end = dev, 0
+        total += max(0, start + size - max(start, end))
+        end = max(end, start + size)
+    return total
 
 
 def _sync(device):

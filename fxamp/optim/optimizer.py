@@ -21,7 +21,7 @@ from fxamp.optim import checkpoint, distributed, param_checks, param_groups
 from fxamp.optim.buffers import state_buffers
 from fxamp.optim.buffers.bucket import Bucket
 from fxamp.optim.buffers.device_state import DeviceState
-from fxamp.optim.buffers.flat import flatten_param_groups
+from fxamp.optim.buffers.grouping import flatten_param_groups
 from fxamp.optim.buffers.state_format import StateFormat, as_state_format
 from fxamp.optim.buffers.state_format import check_params as check_state_params
 from fxamp.optim.folded_steps import FoldedSteps, check_scaler_arg
@@ -264,7 +264,7 @@ class FusedOptimizer(FoldedSteps, torch.optim.Optimizer):
             self._fns.update(slot.update_args(grad), coefs[slot.bucket.group_index],
                              update_fn=self.algorithm.update, unsigned=unsigned,
                              stochastic=stochastic)
-            slot.bucket.write_back()
+            slot.bucket.publish()
 
     def _dist_kwargs(self) -> dict[str, Any]:
         # Left out without a group, so the single-process call is exactly what it was.

@@ -12,7 +12,7 @@ from torch.optim.optimizer import ParamsT
 from fxamp import validation
 from fxamp.errors import ConfigError
 from fxamp.optim.distributed import is_dtensor
-from fxamp.optim.buffers.flat import check_group_params
+from fxamp.optim.buffers.grouping import check_group_params
 
 __all__ = ["as_param_list", "check_new_group", "check_added_group", "check_hyperparameters",
            "check_has_params", "check_max_grad_norm"]

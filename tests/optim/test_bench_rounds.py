@@ -25,6 +25,17 @@ def test_storage_bytes_counts_a_flat_buffer_once():
     assert bench.storage_bytes(views + [torch.zeros(10, dtype=torch.bfloat16)]) == 420
 
 
+def test_storage_bytes_counts_windows_into_a_buffer_once():
+    # fxamp's parameters: storages of their own over the optimizer's flat weights
+    from fxamp.optim.buffers.flat import window
+    flat = torch.zeros(128)
+    windows = [window(flat, 0, torch.Size([8, 8])), window(flat, 64, torch.Size([60]))]
+    spans = {(w.untyped_storage().data_ptr(), w.untyped_storage().nbytes()) for w in windows}
+    assert spans == {(flat.data_ptr(), 256), (flat.data_ptr() + 256, 240)}
+    assert bench.storage_bytes(windows) == 4 * 124
+    assert bench.storage_bytes(windows + [flat]) == 4 * 128
+
+
 def _fake(nbytes: int):
     def build(shape_list):
         kept = [torch.zeros(nbytes, dtype=torch.uint8)]

@@ -48,12 +48,16 @@ def test_parameters_own_their_storage_and_savers_write_every_tensor(level, tmp_p
 
 
 def test_the_step_matches_torch_and_writes_into_the_parameters_it_was_given():
+    # the parameters move once, into windows of the flat weights, when the optimizer is built;
+    # the step writes them there, and never moves them again
     model, ref = make_mlp(), make_mlp()
-    ptrs = [p.data_ptr() for p in model.parameters()]
+    params = list(model.parameters())
     opt = fo.AdamW(model.parameters(), lr=1e-2, compile=False)
+    ptrs = [p.data_ptr() for p in model.parameters()]
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     _train(model, opt)
     _train(ref, ref_opt)
+    assert list(model.parameters()) == params
     assert [p.data_ptr() for p in model.parameters()] == ptrs
     for p, r in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)  # fp32 AdamW, another order
@@ -104,3 +108,46 @@ def test_a_step_moves_the_parameter_the_model_computes_with():
     F.linear(torch.ones(1, 8), model[0].weight).sum().backward()
     opt.step()
     assert torch.equal(model[0].weight, before - 0.5)
+
+
+def test_a_parameter_saved_alone_writes_its_own_bytes_and_outlives_the_optimizer(tmp_path):
+    # each parameter is a window of its own into the flat weights: torch.save of one writes
+    # that parameter, not the bucket; dropping the optimizer leaves the model whole
+    import gc
+    model = make_mlp()
+    opt = fo.AdamW(model.parameters(), lr=1e-2, compile=False)
+    _train(model, opt, steps=1)
+    weight = model[0].weight
+    torch.save(weight.detach(), tmp_path / "w.pt")
+    loaded = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert loaded.untyped_storage().nbytes() == weight.numel() * weight.element_size()
+    assert torch.equal(loaded, weight)
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+    del opt
+    gc.collect()
+    assert all(torch.equal(p, expected[n]) for n, p in model.named_parameters())
+
+
+def test_a_step_moves_version_counters_as_an_in_place_update_does():
+    # torch.optim's update is in place: a backward through weights a step changed is refused.
+    # fxamp's update writes the flat weights; the parameters' versions move all the same
+    for opt_cls in (torch.optim.SGD, lambda ps, lr: fo.SGD(ps, lr=lr, compile=False)):
+        model = make_mlp()
+        opt = opt_cls(model.parameters(), lr=0.1)
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        loss = model(torch.ones(2, 8)).sum()
+        opt.step()  # the weights the forward saved change
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+def test_a_parameter_without_a_gradient_keeps_its_version():
+    model = make_mlp()
+    opt = fo.SGD(model.parameters(), lr=0.1, compile=False)
+    model[0].weight.requires_grad_(False)
+    versions = [p._version for p in model.parameters()]
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()
+    after = [p._version for p in model.parameters()]
+    assert after[0] == versions[0] and all(a > v for a, v in zip(after[1:], versions[1:]))

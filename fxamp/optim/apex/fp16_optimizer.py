@@ -19,7 +19,8 @@ from fxamp.optim.scaling import exits
 from fxamp.optim.functional import fused_step
 from fxamp.optim.scaling import scaled_graphs
 from fxamp.optim.distributed import is_dtensor
-from fxamp.optim.buffers.flat import FlatBucket, flatten_param_groups
+from fxamp.optim.buffers.flat import FlatBucket
+from fxamp.optim.buffers.grouping import flatten_param_groups
 from fxamp.optim.scaling.folding import GradientFolding
 from fxamp.optim.scaling.loss_scaler import LossScaler
 

@@ -47,8 +47,8 @@ class Bucket(abc.ABC):
         group_index: index of the param group in the optimizer.
         params: the model's parameters.
         offsets: start element of each parameter (of its local shard) in the flat buffers.
-        param: the flat weights in the model's dtype, or None for a FlatBucket with an fp32
-            master (Note [Parameters own their storage] in flat.py).
+        param: the flat weights in the model's dtype (for a FlatBucket the parameters' own
+            memory: Note [Parameters own their storage] in flat.py).
         grad: flat model-dtype gradient buffer.
         master: flat fp32 copy of `param` for 16-bit parameters with master weights, else None.
         acc: fp32 unscaled gradients while gradients are being folded (folding.py), else None.
@@ -61,7 +61,7 @@ class Bucket(abc.ABC):
     group_index: int
     params: list[torch.nn.Parameter]
     offsets: list[int]
-    param: Optional[torch.Tensor]
+    param: torch.Tensor
     grad: torch.Tensor
     master: Optional[torch.Tensor]
     acc: Optional[torch.Tensor]
@@ -104,7 +104,12 @@ class Bucket(abc.ABC):
 
     @abc.abstractmethod
     def write_back(self) -> None:
-        """After a step: make the parameters hold the updated flat weights."""
+        """After a step that wrote only the masters (a torch optimizer over them): the masters
+        rounded into the flat weights, then `publish`."""
+
+    @abc.abstractmethod
+    def publish(self) -> None:
+        """After the fused update wrote the flat weights: make the parameters hold them."""
 
     @abc.abstractmethod
     def mark_params_synced(self) -> None:

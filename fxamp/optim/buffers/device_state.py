@@ -17,7 +17,7 @@ import torch
 
 from fxamp.optim.buffers import state_buffers
 from fxamp.optim.buffers.bucket import ALIGN, Bucket
-from fxamp.optim.buffers.flat import flatten_group
+from fxamp.optim.buffers.grouping import flatten_group
 from fxamp.optim.buffers.state_format import StateFormat
 from fxamp.optim.functional import codecs
 from fxamp.optim.functional.algorithms import Algorithm
@@ -51,7 +51,7 @@ class BucketSlot:
         update] in docs/design.md)."""
         b = self.bucket
         states = tuple((_blocks(bufs[0]), *bufs[1:]) for bufs in self.state.states)
-        model = None if b.master is None or b.param is None else _blocks(b.param)
+        model = None if b.master is None else _blocks(b.param)
         return BucketArgs(tuple(_blocks(w) for w in self.state.weights(b)), _blocks(grad),
                           states, model, self.aux, self.state.master, self.stream_keys,
                           self.grad_mask())

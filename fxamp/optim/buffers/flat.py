@@ -1,39 +1,41 @@
 """Flat parameter, gradient and master buffers, one per (param group, dtype).
 
 # Note [Parameters own their storage]
-The optimizer keeps flat weights of its own (an fp32 `master` for 16-bit parameters with
-master weights; else `param`, a flat copy in the model's dtype) and a flat gradient: the step
-is a handful of kernels over a few long tensors, whatever the number of parameters. The
-model's parameters keep storages of their own, as in eager torch, so that whatever reads them
-(`state_dict()`, safetensors' shared-tensor check, accelerate's `save_model`,
-`vector_to_parameters`, `data_ptr()`) sees the model it would see without fxamp. (Until
-2026-12 they were views of `param`, as Apex's FP16_Optimizer makes them: savers saw one tied
-tensor and dropped all but one name.) The price: after each step `write_back` copies the new
-weights into the parameters (one multi-tensor copy, no host read; from the master it rounds
-to nearest, as the update did), and `param` is memory eager torch does not hold.
+The step is a handful of kernels over a few long tensors (weights, gradient, moments, an fp32
+`master` for 16-bit parameters), whatever the number of parameters. Each parameter lives in the
+flat weights in a *storage of its own*: `window` hands out `flat[o:o+n]` through DLPack, a
+tensor over the same memory whose storage is exactly its size and keeps the memory alive. So
+what reads storages (safetensors' and accelerate's shared-tensor checks, `torch.save` of one
+tensor, `data_ptr()`, `vector_to_parameters`) sees separate tensors, as in eager torch, and the
+update writes the parameters in the loop that computes them: no copy after the step, no second
+copy of the weights. Unlike eager torch, the parameters move once, when the optimizer is built;
+the update's writes do not reach their version counters, so `publish` moves them for the
+parameters a step moved, as an in-place update would. A parameter given other memory since
+(`p.data = t`, `vector_to_parameters`, a second optimizer) is not at home: taken into the flat
+weights before the next step, written by a copy after it. The why and the numbers: Note
+[Parameters own their storage] in docs/design.md.
 
-Gradients stay views of the flat gradient (`p.grad = flat_grad[o:o+n].view_as(p)`), as DDP's
-`gradient_as_bucket_view=True` makes them: autograd accumulates into an existing `.grad` in
-place, so backward writes straight into the flat gradient.
+Gradients are views of the flat gradient, as DDP's `gradient_as_bucket_view=True` makes them:
+autograd accumulates into an existing `.grad` in place, so backward writes straight into the
+flat gradient, and a write to any `.grad` moves the flat gradient's version counter, which the
+scale_loss exits read (Note [.grad after a scale_loss exit] in docs/design.md).
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from fxamp._compat import foreach_copy_
 from fxamp.errors import ConfigError
 from fxamp.optim.buffers.bucket import Bucket, layout, refresh_master
-from fxamp.optim.distributed import is_dtensor
-from fxamp.optim.buffers.sharded import ShardedBucket
 from fxamp.policy import LOW_DTYPES
 
-__all__ = ["FlatBucket", "flatten_param_groups", "flatten_group", "check_group_params",
-           "make_bucket"]
+__all__ = ["FlatBucket", "window"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +61,15 @@ log = logging.getLogger(__name__)
 # keeps `.grad` None. A view that held a gradient since (`model.zero_grad()` dropped it) is
 # zeroed before it is reused, so that the step's overflow check and norm see 0 there.
 
-FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+def window(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """`flat[offset:offset + numel]` shaped `shape`, as a tensor with a storage of its own over
+    the same memory (Note [Parameters own their storage]); an empty shape is a fresh empty
+    tensor."""
+    if shape.numel() == 0:
+        return flat.new_empty(shape)
+    # sliced from an alias: what DLPack keeps alive is the memory, not `flat` (torch keeps a
+    # tensor's Python object alive while a view of it lives in C++)
+    return torch.from_dlpack(flat.detach()[offset:offset + shape.numel()]).view(shape)
 
 
 def _backward_hook(bucket_ref: "weakref.ref[FlatBucket]", i: int):
@@ -75,11 +85,11 @@ class FlatBucket(Bucket):
 
     Attributes:
         group_index: index of the param group in the optimizer.
-        params: the model's parameters, whose `.data` and `.grad` are views into this bucket.
+        params: the model's parameters, whose `.data` are windows into `param` (Note
+            [Parameters own their storage]) and `.grad` views of `grad`.
         offsets: start element of each parameter in the flat buffers.
-        param: the flat weights in the model's dtype where there is no master (the parameters
-            are written from `master` otherwise: None).
-        grad: flat model-dtype gradient buffer.
+        param: the flat weights in the model's dtype (the parameters' memory).
+        grad: flat model-dtype gradient buffer (the gradients' memory).
         master: flat fp32 copy of `param` for 16-bit parameters with master weights, else None.
     """
 
@@ -92,18 +102,21 @@ class FlatBucket(Bucket):
         self.shapes = [p.shape for p in self.params]
         self.offsets, numel = layout([p.numel() for p in self.params])
         ref = self.params[0]
-        # Note [Parameters own their storage]: with an fp32 master the parameters are written
-        # from it, and no flat copy in the model's dtype is kept
-        low = master_weights and ref.dtype in LOW_DTYPES
-        weights = torch.zeros(numel, dtype=torch.float32 if low else ref.dtype, device=ref.device)
-        self.master: Optional[torch.Tensor] = weights if low else None
-        self.param: Optional[torch.Tensor] = None if low else weights
+        self.param = torch.zeros(numel, dtype=ref.dtype, device=ref.device)
         self.grad = torch.zeros(numel, dtype=ref.dtype, device=ref.device)
         with torch.no_grad():
             for i, p in enumerate(self.params):
-                self.view(weights, i).copy_(p)
+                self.view(self.param, i).copy_(p)
                 if p.grad is not None:
                     self.view(self.grad, i).copy_(p.grad)
+        low = master_weights and ref.dtype in LOW_DTYPES
+        self.master: Optional[torch.Tensor] = self.param.float() if low else None
+        # Note [Parameters own their storage]: each parameter a window of its own into the
+        # flat weights
+        homes = [window(self.param, o, shape) for o, shape in zip(self.offsets, self.shapes)]
+        for p, home in zip(self.params, homes):
+            p.data = home
+        self._homes = [home.data_ptr() if home.numel() else None for home in homes]
         self.grad_views = self.views(self.grad)
         self.received = [p.grad is not None for p in self.params]
         self._dirty = list(self.received)  # a view holding values no zero_grad cleared
@@ -115,7 +128,6 @@ class FlatBucket(Bucket):
         self.versions = [p._version for p in self.params]
         self.acc: Optional[torch.Tensor] = None  # fp32 unscaled gradients, see Optimizer.unscale_
         self._warned_foreign = False
-        self._weight_views: Optional[tuple[tuple[int, int], list[torch.Tensor]]] = None
 
     def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         shape = self.shapes[i]
@@ -151,9 +163,9 @@ class FlatBucket(Bucket):
 
     def sync_from_params(self) -> None:
         """Repair gradient views and stale masters; see Note [Keeping the flat views honest]."""
-        for i, p in enumerate(self.params):
-            if (p.dtype, p.device, p.shape) != (self.grad.dtype, self.grad.device,
-                                                 self.shapes[i]):
+        dtype, device = self.grad.dtype, self.grad.device  # checked for all before any change
+        for i, (p, shape) in enumerate(zip(self.params, self.shapes)):
+            if p.dtype != dtype or p.shape != shape or p.device != device:
                 raise ConfigError(
                     f"parameter {i} of param group {self.group_index} is now {p.dtype} "
                     f"{tuple(p.shape)} on {p.device}, and the optimizer was built over "
@@ -190,11 +202,15 @@ class FlatBucket(Bucket):
             self._dirty[i] = False
         self.received[i] = False
 
+    def at_home(self, i: int) -> bool:
+        """Whether parameter i still lives in its window of the flat weights."""
+        return self._homes[i] is None or self.params[i].data_ptr() == self._homes[i]
+
     def _take_param(self, i: int) -> None:
         p = self.params[i]
         if self.master is not None:
             refresh_master(self.view(self.master, i), p)
-        else:
+        if not self.at_home(i):
             with torch.no_grad():
                 self.view(self.param, i).copy_(p)
         self.versions[i], self._ptrs[i] = p._version, p.data_ptr()
@@ -202,92 +218,35 @@ class FlatBucket(Bucket):
                   i, self.group_index)
 
     def write_back(self) -> None:
-        """Copy the updated flat weights into the parameters (Note [Parameters own their
-        storage])."""
-        weights = self.weights
-        key = (id(weights), weights.data_ptr())
-        if self._weight_views is None or self._weight_views[0] != key:
-            self._weight_views = (key, self.views(weights))  # 128 views cost 0.5 ms a step
-        with torch.no_grad():  # the master rounded to nearest, as the update rounds it
-            foreach_copy_(self.params, self._weight_views[1])
+        """Make the parameters hold the flat weights after a step that wrote only the masters
+        (Apex's FP16_Optimizer wraps a torch optimizer over them): the master rounded to
+        nearest into the flat weights, one copy, then `publish`."""
+        if self.master is not None:
+            with torch.no_grad():
+                self.param.copy_(self.master)
+        self.publish()
+
+    def publish(self) -> None:
+        """After the update wrote the flat weights: copy them into the parameters no longer at
+        home, and move the version counters of the parameters this step stepped, as an
+        in-place update would (Note [Parameters own their storage])."""
+        stepped = [p for p, got in zip(self.params, self.received) if got]
+        away = [i for i in range(len(self.params)) if not self.at_home(i)]
+        if away:
+            with torch.no_grad():
+                foreach_copy_([self.params[i] for i in away],
+                              [self.view(self.param, i) for i in away])
+        if stepped:
+            increment_version(stepped)
         self.versions = [p._version for p in self.params]
 
     def mark_params_synced(self) -> None:
         """Take the parameters as they are into the flat weights and record that the masters
         match them (after loading both)."""
-        if self.param is not None:
+        away = [i for i in range(len(self.params)) if not self.at_home(i)]
+        if away:
             with torch.no_grad():
-                foreach_copy_(self.views(self.param), self.params)
+                foreach_copy_([self.view(self.param, i) for i in away],
+                              [self.params[i] for i in away])
         self.versions = [p._version for p in self.params]
         self._ptrs = [p.data_ptr() for p in self.params]
-
-
-def flatten_param_groups(param_groups: Sequence[dict], *, master_weights: bool,
-                         owner: str) -> list[Bucket]:
-    """One FlatBucket per (group, dtype), after checking every parameter can be flattened.
-
-    Raises:
-        ConfigError: for a non-floating or sparse parameter, or parameters on more than one
-            device; the message names the parameter. Nothing is flattened then.
-    """
-    _check_devices(param_groups, owner)
-    for gi, group in enumerate(param_groups):
-        check_group_params(group, gi, owner)
-    buckets = [b for gi, group in enumerate(param_groups)
-               for b in flatten_group(gi, group, master_weights=master_weights)]
-    log.debug("%s: %d buckets, %d parameters", owner, len(buckets),
-              sum(len(b.params) for b in buckets))
-    return buckets
-
-
-def check_group_params(group: dict, gi: int, owner: str,
-                       device: Optional[torch.device] = None) -> None:
-    """Every parameter of group `gi` can be flattened (and lies on `device`, when given)."""
-    for pi, p in enumerate(group["params"]):
-        _check_param(p, gi, pi, owner)
-        if device is not None and p.device != device:
-            raise ConfigError(f"{owner}: parameter {pi} of param group {gi} is on {p.device}, "
-                              f"the optimizer's parameters on {device}. The step, loss scale "
-                              "and overflow flag live on one device; build one optimizer per "
-                              "device")
-
-
-def flatten_group(gi: int, group: dict, *, master_weights: bool) -> list[Bucket]:
-    """The buckets of param group `gi` (checked already): one per dtype of its parameters
-    with `requires_grad`, in the order the dtypes first appear."""
-    by_kind: dict[tuple[torch.dtype, bool], list[torch.nn.Parameter]] = {}
-    for p in group["params"]:
-        if p.requires_grad:
-            by_kind.setdefault((p.dtype, is_dtensor(p)), []).append(p)
-    return [make_bucket(gi, params, master_weights=master_weights, sharded=dtensor)
-            for (_, dtensor), params in by_kind.items()]
-
-
-def make_bucket(group_index: int, params: Sequence[torch.nn.Parameter], *,
-                master_weights: bool, sharded: bool) -> Bucket:
-    """The Bucket for one (param group, dtype): a FlatBucket, or a ShardedBucket for DTensor
-    parameters (Note [Flat buffers beside FSDP2's shards])."""
-    kind = ShardedBucket if sharded else FlatBucket
-    return kind(group_index, params, master_weights=master_weights)
-
-
-def _check_param(p: torch.Tensor, gi: int, pi: int, owner: str) -> None:
-    where = f"{owner}: parameter {pi} of param group {gi} (shape {tuple(p.shape)})"
-    if p.dtype not in FLOATING:
-        raise ConfigError(f"{where} has dtype {p.dtype}; only floating-point parameters "
-                          "(float16, bfloat16, float32, float64) can be optimized")
-    if p.is_sparse or p.layout != torch.strided:
-        raise ConfigError(f"{where} has layout {p.layout}; only dense (strided) parameters "
-                          "can be flattened")
-
-
-def _check_devices(param_groups: Iterable[dict], owner: str) -> None:
-    counts: dict[str, int] = {}
-    for group in param_groups:
-        for p in group["params"]:
-            counts[str(p.device)] = counts.get(str(p.device), 0) + 1
-    if len(counts) > 1:
-        found = ", ".join(f"{d} ({n} tensors)" for d, n in counts.items())
-        raise ConfigError(f"{owner}: parameters are on more than one device: {found}. The step, "
-                          "loss scale and overflow flag live on one device; build one optimizer "
-                          "per device")

@@ -137,6 +137,13 @@ class ShardedBucket(Bucket):
                   i, self.group_index)
 
     def write_back(self) -> None:
+        """The masters rounded into the flat weights, then `publish`."""
+        if self.master is not None:
+            with torch.no_grad():
+                self.param.copy_(self.master)
+        self.publish()
+
+    def publish(self) -> None:
         """Copy the updated flat weights into the parameters' local shards."""
         local = self._locals()
         with torch.no_grad():

@@ -59,11 +59,9 @@ class StateFormat:
 
     def bytes_per_param(self, n_moments: int = 2) -> float:
         """Bytes per bf16 parameter kept between steps: model 2 + gradient 2 + master +
-        moments (int8 moments count their scales) + where the model is its own master (every
-        master but "fp32"), the optimizer's flat copy of the weights, 2 (Note [Parameters own
-        their storage] in fxamp/optim/buffers/flat.py)."""
-        copy = 0 if self.master == "fp32" else 2
-        return 4 + copy + _MASTER_BYTES[self.master] + n_moments * _MOMENT_BYTES[self.moments]
+        moments (int8 moments count their scales). The flat weights are the model's own
+        memory (Note [Parameters own their storage] in fxamp/optim/buffers/flat.py)."""
+        return 4 + _MASTER_BYTES[self.master] + n_moments * _MOMENT_BYTES[self.moments]
 
 
 PRESETS = {"default": StateFormat(), "low_memory": StateFormat("int8_error", "int8"),
