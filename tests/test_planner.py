@@ -336,14 +336,14 @@ def test_a_promotion_is_a_new_plan_and_a_new_config():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(target="a100"), "target='a100' is not one of 'h100', 'h200', 'cpu' or a "
+    (dict(target="a100"), "target='a100' is not one of 'h100', 'h200', 'b200', 'cpu' or a "
                           "fxamp.planner.Target"),
     (dict(error_budget=1.5), "error_budget=1.5 must be a relative error in (0, 1), e.g. 0.1"),
     (dict(error_budget=0), "error_budget=0 must be a relative error in (0, 1)"),
     (dict(error_budget="0.1"), "error_budget='0.1' (str) must be a relative error in (0, 1)"),
     (dict(dtype="fp8"), "dtype='fp8' is not one of 'bf16', 'fp16'"),
     (dict(recipes=("delayed",)), "recipes=('delayed',) must name float8 recipes among "
-                                 "'tensorwise', 'rowwise'"),
+                                 "'tensorwise', 'rowwise', 'mxfp8', 'nvfp4'"),
     (dict(batch_size=0), "batch_size=0"),
 ])
 def test_bad_arguments_are_refused_by_name_and_leave_the_model_alone(kwargs, message):

@@ -11,6 +11,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from fxamp.float8.blocks import FORMATS
 from fxamp.float8.gemm import float8_bmm, float8_matmul
 
 __all__ = ["GemmCall", "candidate_errors", "relative_error", "TENSORS"]
@@ -96,26 +97,37 @@ def _float8(call: GemmCall, g: Optional[torch.Tensor], grads: tuple[bool, bool],
 # columns that hold the largest |input|, |weight| and |gradient|: the output and grad_weight
 # entries measured are exact entries of the full GEMM, grad_input sums over the kept columns
 # only, and the tensorwise float8 scales are those of the full tensors (their amax is kept).
-# Planning a large model then costs a bounded amount per GEMM.
+# Planning a large model then costs a bounded amount per GEMM. With a block-scaled recipe
+# asked, the kept rows and columns are whole blocks (a multiple of 32): the grad_input and
+# grad_weight GEMMs block them; those blocks are of the sample, not of the full GEMM's
+# neighbours (NVFP4's per-tensor scale is the full tensor's: its amax is kept).
 MAX_ROWS = MAX_COLS = 1024
 
 
-def _keep(size: int, limit: int, *extremes: torch.Tensor) -> Optional[torch.Tensor]:
+def _keep(size: int, limit: int, *extremes: torch.Tensor,
+          multiple: int = 1) -> Optional[torch.Tensor]:
     if size <= limit:
         return None
     spaced = torch.linspace(0, size - 1, limit - len(extremes)).long()
-    return torch.unique(torch.cat([spaced, *(e.reshape(1) for e in extremes)]))
+    kept = torch.unique(torch.cat([spaced, *(e.reshape(1) for e in extremes)]))
+    extra = len(kept) % multiple  # a block-scaled GEMM blocks these rows (columns): whole blocks
+    if extra:
+        spare = ~torch.isin(kept, torch.stack([e.reshape(()) for e in extremes]))
+        drop = spare.nonzero().flatten()[:extra]
+        kept = kept[~torch.isin(torch.arange(len(kept)), drop)]
+    return kept
 
 
-def _sample(call: GemmCall, g: Optional[torch.Tensor]) -> tuple[GemmCall, Any]:
+def _sample(call: GemmCall, g: Optional[torch.Tensor],
+            multiple: int = 1) -> tuple[GemmCall, Any]:
     a, b, c = call.a, call.b, call.c
     if a.dim() != 2 or b.dim() != 2:
         return call, g
     gabs = None if g is None else g.abs()
     rows = _keep(a.shape[0], MAX_ROWS, a.abs().amax(1).argmax(),
-                 *(() if gabs is None else (gabs.amax(1).argmax(),)))
+                 *(() if gabs is None else (gabs.amax(1).argmax(),)), multiple=multiple)
     cols = _keep(b.shape[1], MAX_COLS, b.abs().amax(0).argmax(),
-                 *(() if gabs is None else (gabs.amax(0).argmax(),)))
+                 *(() if gabs is None else (gabs.amax(0).argmax(),)), multiple=multiple)
     if rows is not None:
         a, g, c = a[rows], None if g is None else g[rows], None if c is None else c[rows]
     if cols is not None:
@@ -139,7 +151,9 @@ def candidate_errors(a: torch.Tensor, b: torch.Tensor, g: Optional[torch.Tensor]
     call = GemmCall(a.detach().float(), b.detach().float(), None, alpha, beta)
     if c is not None:
         call = dataclasses.replace(call, c=c.expand(call.shape))
-    call, g = _sample(call, None if g is None else g.detach().float().reshape(call.shape))
+    multiple = max((FORMATS[r] for r in recipes if r in FORMATS), default=1)
+    call, g = _sample(call, None if g is None else g.detach().float().reshape(call.shape),
+                      multiple)
     grads = (grad_input, grad_weight)
     ref = _whole(call, g, grads, lambda t: t)
     errors = {}

@@ -20,9 +20,10 @@ from fxamp import validation
 from fxamp._compat import pytree
 from fxamp.errors import ConfigError
 from fxamp.float8.config import recipe_refusal
-from fxamp.planner.cost import GemmShape, PRECISIONS, Target, as_target, cast_time, gemm_time
+from fxamp.planner.cost import (BLOCK_SCALED, GemmShape, PRECISIONS, Target, as_target, cast_time,
+                                gemm_time)
 from fxamp.planner.measure import GemmMeasure, measure
-from fxamp.planner.plan import FLOAT8_RECIPES, ROOT, PlannedGemm, PrecisionPlan
+from fxamp.planner.plan import FLOAT8_RECIPES, RECIPES, ROOT, PlannedGemm, PrecisionPlan
 from fxamp.planner.report import duration
 from fxamp.model.prepare import backend_of
 
@@ -50,8 +51,13 @@ def _cost_shape(m: GemmMeasure, scale: float) -> GemmShape:
     return GemmShape(rows, k, n, batch, m.grad_input, m.grad_weight)
 
 
+# Note [Block-scaled recipes on the roofline]: mxfp8 and nvfp4 run on block-scaled tensor cores
+# (compute capability 10.0+); a target without them (H100, H200, the CPU: `Target.supports`)
+# has no time for them, so a GEMM they could run stays in the 16-bit dtype and its reason
+# names the target. Their errors are measured all the same: a plan for a B200 can be made on
+# any machine the emulated lowering runs on.
 def _decide(m: GemmMeasure, recipe: Optional[str], low: str, budget: float,
-            times: dict[str, float], casts: float) -> tuple[str, str]:
+            times: dict[str, float], casts: float, target: Target) -> tuple[str, str]:
     # Each reason is "<precision>: <sentences>" (golden texts in tests/test_planner.py).
     # recipe None: no recipe can run here, so every GEMM has a float8 refusal (_without).
     (e16, where16), t16 = _worst(m, low), times.get(low)
@@ -61,9 +67,12 @@ def _decide(m: GemmMeasure, recipe: Optional[str], low: str, budget: float,
                             f"{max(m.max_abs.values()):.3g}).")
         return "fp32", (f"fp32: the {low} error of its {where16}, {e16:.3g}, exceeds the "
                         f"budget {budget:g}.")
-    if m.float8_refusal is not None:
-        return low, (f"{low}: float8 cannot run it ({m.float8_refusal}); the {low} error is "
+    if m.refusal(recipe) is not None:
+        return low, (f"{low}: float8 cannot run it ({m.refusal(recipe)}); the {low} error is "
                      f"{e16:.3g}.")
+    if recipe not in times:  # Note [Block-scaled recipes on the roofline]
+        return low, (f"{low}: the target {target.name} has no {recipe} tensor cores, so float8 "
+                     f"{recipe} is not modeled; the {low} error is {e16:.3g}.")
     (e8, where8), t8 = _worst(m, recipe), times[recipe]
     if e8 > budget:
         return low, (f"{low}: the float8 {recipe} error of its {where8}, {_num(e8)}, exceeds "
@@ -87,11 +96,12 @@ def _planned(m: GemmMeasure, recipe: Optional[str], low: str, budget: float, tar
     casts = 0.0
     if m.shape is not None:  # a shape float8 can take: the cost model times it
         shape = _cost_shape(m, scale)
-        times = {p: gemm_time(shape, p, target) for p in PRECISIONS
-                 if p not in FLOAT8_RECIPES or m.float8_refusal is None}
-        casts = cast_time(shape, target)
+        times = {p: gemm_time(shape, p, target) for p in PRECISIONS if target.supports(p) and (
+            p not in RECIPES or (m.float8_refusal is None and (
+                p in FLOAT8_RECIPES or (p == recipe and m.refusal(p) is None))))}
+        casts = cast_time(shape, target, recipe if recipe in BLOCK_SCALED else "tensorwise")
     if m.errors:
-        precision, reason = _decide(m, recipe, low, budget, times, casts)
+        precision, reason = _decide(m, recipe, low, budget, times, casts, target)
         reason += unmeasured if m.float8_refusal is None else ""
     else:
         precision, reason = low, (f"{low}: its result is not floating point, so no precision "
@@ -101,7 +111,7 @@ def _planned(m: GemmMeasure, recipe: Optional[str], low: str, budget: float, tar
                   if on)
     return PlannedGemm(**dataclasses.asdict(m.site), module_type=m.module_type,
                        source_line=m.source_line, shape=m.shape, batch=m.batch, grads=grads,
-                       float8_refusal=m.float8_refusal, errors=errors,
+                       float8_refusal=m.refusal(recipe), errors=errors,
                        times=tuple(times.items()), max_abs=max(m.max_abs.values(), default=0.0),
                        precision=precision, reason=reason)
 
@@ -169,9 +179,9 @@ def _check(model: Any, error_budget: Any, dtype: Any, recipes: Any) -> tuple[flo
         raise ConfigError(f"dtype={dtype!r} is not one of 'bf16', 'fp16' (torch.bfloat16, "
                           "torch.float16): the 16-bit dtype of the plan")
     recipes = (recipes,) if isinstance(recipes, str) else tuple(recipes)
-    if not recipes or any(r not in FLOAT8_RECIPES for r in recipes):
+    if not recipes or any(r not in RECIPES for r in recipes):
         raise ConfigError(f"recipes={recipes!r} must name float8 recipes among "
-                          f"{', '.join(map(repr, FLOAT8_RECIPES))}")
+                          f"{', '.join(map(repr, RECIPES))}")
     return budget, _LOW[dtype], recipes
 
 
@@ -202,13 +212,15 @@ def plan(model: torch.nn.Module, example_batch: Any,
         example_batch: a calibration batch: the model's inputs, or `(inputs, target)` with
             `loss_fn`, as `fxamp.locate_overflow` takes it.
         loss_fn: `loss_fn(output, target) -> loss`; None differentiates the sum of outputs.
-        target: "h100", "h200", "cpu" or a `fxamp.planner.Target`.
+        target: "h100", "h200", "b200", "cpu" or a `fxamp.planner.Target`.
         error_budget: the largest relative error (||x - x_fp32|| / ||x_fp32||) a GEMM's
             output, grad_input or grad_weight may have in its chosen precision.
         dtype: the 16-bit dtype, "bf16" (default) or "fp16".
-        recipes: the float8 recipes to consider; the plan uses the one whose plan models
+        recipes: the float8 recipes to consider (default tensorwise and rowwise; the
+            block-scaled "mxfp8" and "nvfp4" by name); the plan uses the one whose plan models
             fastest (one recipe per model: Float8Config has one). A recipe this torch cannot
-            run on the model's device is not considered, and the reasons say so.
+            run on the model's device is not considered, and the reasons say so; a
+            block-scaled one is timed only on a target with its tensor cores ("b200").
         batches: more calibration batches (errors and ranges are the worst over all).
         batch_size: the training batch size the costs are modeled at, when larger than the
             calibration batch: GEMM rows (batch entries of batched GEMMs) scale with it.

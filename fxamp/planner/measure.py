@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from fxamp.float8.block_gemm import block_shape_refusal
+from fxamp.float8.blocks import FORMATS
 from fxamp.config import AmpConfig
 from fxamp.debug import instrument
 from fxamp.debug.instrument import (FORWARD, GraphRecord, InstrumentingCompiler, OpSite,
@@ -38,7 +40,9 @@ class GemmMeasure:
     grad_input or grad_weight computed in `candidate` against fp32 (inf for an overflow);
     `max_abs[tensor]` the largest |x| of input, weight, output and the three gradients.
     `float8_refusal` says why float8 cannot run this GEMM at all (None: it can), its shape
-    or kind, or this device and torch for every recipe asked (choose.py).
+    or kind, or this device and torch for every recipe asked (choose.py);
+    `recipe_refusals[recipe]` why a block-scaled recipe cannot, where float8 can (its blocks
+    do not divide a reduction dim).
     """
 
     site: OpSite
@@ -51,6 +55,11 @@ class GemmMeasure:
     grad_weight: bool = False
     errors: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     max_abs: dict[str, float] = dataclasses.field(default_factory=dict)
+    recipe_refusals: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def refusal(self, recipe: Optional[str]) -> Optional[str]:
+        """Why `recipe` cannot run this GEMM, or None."""
+        return self.float8_refusal or (self.recipe_refusals.get(recipe) if recipe else None)
 
     def add(self, errors: dict[str, dict[str, float]], max_abs: dict[str, float]) -> None:
         for cand, by_tensor in errors.items():
@@ -126,6 +135,10 @@ class GemmProbe(InstrumentingCompiler):
                 site, module_of(node.meta.get("nn_module_stack"))[1] or "-",
                 source_line(node.meta.get("stack_trace")), choice.shape, choice.batch,
                 None if choice.float8 else choice.reason.rsplit("; stays", 1)[0])
+            if choice.float8 and choice.shape is not None:
+                self.sites[key].recipe_refusals = {
+                    r: why for r in self.recipes if r in FORMATS
+                    and (why := block_shape_refusal(choice.shape, r)) is not None}
         return self.sites[key]
 
     def _visit(self, record: GraphRecord, phase: str, node: fx.Node, value: Any,
@@ -149,7 +162,7 @@ class GemmProbe(InstrumentingCompiler):
                                     beta=call.beta, grad_input=m.grad_input and g is not None,
                                     grad_weight=m.grad_weight and g is not None,
                                     dtype=self.dtype,
-                                    recipes=self.recipes if m.float8_refusal is None else ()))
+                                    recipes=[r for r in self.recipes if m.refusal(r) is None]))
         self._pending.clear()
 
 

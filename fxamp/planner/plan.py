@@ -22,9 +22,11 @@ from fxamp.planner.cost import Target
 from fxamp.planner.report import format_plan
 from fxamp.provenance import OpSite
 
-__all__ = ["PlannedGemm", "PrecisionPlan", "FLOAT8_RECIPES", "ROOT"]
+__all__ = ["PlannedGemm", "PrecisionPlan", "FLOAT8_RECIPES", "BLOCK_RECIPES", "RECIPES", "ROOT"]
 
-FLOAT8_RECIPES = ("tensorwise", "rowwise")
+FLOAT8_RECIPES = ("tensorwise", "rowwise")  # what fxamp.plan considers by default
+BLOCK_RECIPES = ("mxfp8", "nvfp4")  # asked for by name: recipes=("mxfp8", "nvfp4")
+RECIPES = FLOAT8_RECIPES + BLOCK_RECIPES
 ROOT = "<root>"  # the module path of a GEMM at the model's top level, as the float8 pass says
 _VERSION = 1
 
@@ -75,9 +77,9 @@ class PrecisionPlan:
     def __post_init__(self) -> None:
         if self.dtype not in ("bf16", "fp16"):
             raise ConfigError(f"plan dtype={self.dtype!r} is not one of 'bf16', 'fp16'")
-        if self.recipe is not None and self.recipe not in FLOAT8_RECIPES:
+        if self.recipe is not None and self.recipe not in RECIPES:
             raise ConfigError(f"plan recipe={self.recipe!r} is not one of "
-                              f"{', '.join(map(repr, FLOAT8_RECIPES))} or None")
+                              f"{', '.join(map(repr, RECIPES))} or None")
         if not (isinstance(self.error_budget, float) and 0 < self.error_budget < 1):
             raise ConfigError(f"plan error_budget={self.error_budget!r} must be a float in "
                               "(0, 1)")
