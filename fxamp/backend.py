@@ -18,7 +18,7 @@ from fxamp.model.double_backward import eager_autograd, first_order_only
 from fxamp.model.eager_regions import without_autocast
 from fxamp.errors import ConfigError
 from fxamp.float8.config import check_float8_support
-from fxamp.float8.delayed import history_of, is_delayed
+from fxamp.float8.delayed import history_of, is_delayed, keeps_state
 from fxamp.passes import PassStats, run_passes
 from fxamp.passes.capture import fake_inputs, to_aten
 from fxamp.provenance import place_in_model
@@ -113,11 +113,12 @@ class FxampBackend:
         return unit
 
     def _float8_history(self, config: AmpConfig):
-        if not is_delayed(config.float8):
+        if not keeps_state(config.float8):
             return None
         history = history_of(self.model)
         if history is None:
-            raise ConfigError(_DELAYED_NEEDS_MODEL)
+            raise ConfigError(_DELAYED_NEEDS_MODEL if is_delayed(config.float8)
+                              else _SEED_NEEDS_MODEL)
         return history
 
     def __eq__(self, other: object) -> bool:
@@ -193,6 +194,12 @@ _DELAYED_NEEDS_MODEL = (
     "torch.compile backend does not own: use fxamp.compile(model, float8=Float8Config("
     "scaling='delayed')), or scaling='dynamic' with the backend")
 
+_SEED_NEEDS_MODEL = (
+    "float8 nvfp4_stochastic_rounding keeps the counter its noise is drawn from in the model's "
+    "state_dict, which a torch.compile backend does not own: use fxamp.compile(model, "
+    "float8=Float8Config(recipe='nvfp4', nvfp4_stochastic_rounding=True)), or "
+    "nvfp4_stochastic_rounding=False with the backend")
+
 
 def check_ddp_order(ddp: torch.nn.Module) -> None:
     """Raise if `ddp` (a DistributedDataParallel) was built before `fxamp.compile` changed its
@@ -240,6 +247,8 @@ def backend(opt_level: str = "O1", *, compiler: Compiler = "inductor", mode: Opt
     """
     if getattr(overrides.get("float8"), "scaling", None) == "delayed":
         raise ConfigError(_DELAYED_NEEDS_MODEL)
+    if getattr(overrides.get("float8"), "nvfp4_stochastic_rounding", False):
+        raise ConfigError(_SEED_NEEDS_MODEL)
     if overrides.get("cast_model_outputs") is not None:
         raise ConfigError("cast_model_outputs applies at the model boundary, which a backend "
                           "does not see: use fxamp.compile(model, cast_model_outputs=...)")

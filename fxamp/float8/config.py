@@ -92,6 +92,14 @@ class Float8Config:
         mx_scale_mode: how recipe="mxfp8" rounds its power-of-two block scales, one of
             `MX_SCALE_MODES` (torchao's `ScaleCalculationMode`; "rceil" is torchtitan's
             default). Only the default for the other recipes.
+        nvfp4_rht_signs: recipe="nvfp4" only: 16 signs (+1/-1) of the random Hadamard
+            transform torchao's NVFP4 training recipe applies to the grad_weight GEMM's
+            operands (`NVFP4_RHT_SIGNS` is a fixed choice); None (default) rotates nothing
+            (Note [The Hadamard transform of NVFP4's grad_weight GEMM] in block_gemm.py).
+        nvfp4_stochastic_rounding: recipe="nvfp4" only: round the output gradient's two
+            quantizations (both backward GEMMs) stochastically, as torchao's and
+            TransformerEngine's NVFP4 training recipes do; the noise comes from a counter the
+            model holds as a buffer (Note [The seed of NVFP4's stochastic rounding]).
     """
 
     recipe: str = "tensorwise"
@@ -102,6 +110,8 @@ class Float8Config:
     batched_activations: bool = False
     max_batch: int = 64
     mx_scale_mode: str = "rceil"
+    nvfp4_rht_signs: Optional[tuple[int, ...]] = None
+    nvfp4_stochastic_rounding: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.skip_modules, list):
@@ -116,6 +126,8 @@ class Float8Config:
             raise ConfigError(f"float8 scaling='delayed' works with recipe='tensorwise', not "
                               f"{self.recipe!r} (one amax per tensor is what a history keeps)")
         self._check_mx_scale_mode()
+        self._check_rht_signs()
+        self._check_stochastic()
         if type(self.batched_activations) is not bool:
             raise ConfigError(f"float8 batched_activations={self.batched_activations!r} must "
                               "be True or False")
@@ -135,6 +147,27 @@ class Float8Config:
         if self.mx_scale_mode != "rceil" and self.recipe != "mxfp8":
             raise ConfigError(f"float8 mx_scale_mode={self.mx_scale_mode!r} applies to "
                               f"recipe='mxfp8', not {self.recipe!r} (leave it 'rceil')")
+
+    def _check_rht_signs(self) -> None:
+        signs = self.nvfp4_rht_signs
+        if signs is None:
+            return
+        if self.recipe != "nvfp4":
+            raise ConfigError(f"float8 nvfp4_rht_signs applies to recipe='nvfp4', not "
+                              f"{self.recipe!r} (leave it None)")
+        if (isinstance(signs, (str, bytes)) or not hasattr(signs, "__len__") or len(signs) != 16
+                or any(type(s) is not int or s not in (1, -1) for s in signs)):
+            raise ConfigError(f"float8 nvfp4_rht_signs={signs!r} must be 16 ints, each +1 or -1 "
+                              "(e.g. fxamp.float8.nvfp4.NVFP4_RHT_SIGNS)")
+        object.__setattr__(self, "nvfp4_rht_signs", tuple(signs))
+
+    def _check_stochastic(self) -> None:
+        sr = self.nvfp4_stochastic_rounding
+        if type(sr) is not bool:
+            raise ConfigError(f"float8 nvfp4_stochastic_rounding={sr!r} must be True or False")
+        if sr and self.recipe != "nvfp4":
+            raise ConfigError(f"float8 nvfp4_stochastic_rounding applies to recipe='nvfp4', "
+                              f"not {self.recipe!r} (leave it False)")
 
     @property
     def spec(self) -> Recipe:

@@ -1,4 +1,5 @@
-"""Delayed scaling: amax histories kept as buffers of the model, updated inside the graph.
+"""Float8 state kept as buffers of the model, updated inside the graph: delayed scaling's amax
+histories, and the counter NVFP4's stochastic rounding draws its noise from.
 
 With `Float8Config(scaling="delayed")` a GEMM's input and weight are scaled from the largest amax
 of their last `history_len` steps; the compiled graph pushes the current amax into a buffer of
@@ -6,7 +7,8 @@ the model (an input mutation, no host sync), named after the GEMM it feeds. Only
 with grad enabled push; the gradient operand is scaled dynamically.
 
 Design (docs/design.md): Note [Delayed scaling lives in the model], Note [Amax histories are
-named by what they measure], Note [Eval forwards leave the histories alone].
+named by what they measure], Note [Eval forwards leave the histories alone], Note [The seed of
+NVFP4's stochastic rounding].
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import torch
 from fxamp.errors import ConfigError
 from fxamp.float8.config import Float8Config
 
-__all__ = ["Float8History", "PREFIX", "attach_history", "history_of", "history_name"]
+__all__ = ["Float8History", "PREFIX", "SEED", "attach_history", "history_of", "history_name",
+           "keeps_state"]
 
 PREFIX = "fxamp_float8_"
+SEED = "nvfp4_seed"  # the buffer PREFIX + SEED: Note [The seed of NVFP4's stochastic rounding]
 _ATTR = "_fxamp_float8_history"
 _LEGACY = re.compile(re.escape(PREFIX) + r"g\d+_")
 
@@ -73,6 +77,16 @@ class Float8History:
             self.model.register_buffer(full, torch.zeros(shape, device=self.device))
         return self.model.get_buffer(full)
 
+    def seed(self) -> torch.Tensor:
+        """The buffer PREFIX + SEED of the model, an int64 counter (0-dim) that every NVFP4
+        GEMM of a training forward reads and advances (Note [The seed of NVFP4's stochastic
+        rounding]), created (0) if new."""
+        full = PREFIX + SEED
+        if full not in dict(self.model.named_buffers(recurse=False)):
+            self.model.register_buffer(full, torch.zeros((), dtype=torch.int64,
+                                                         device=self.device))
+        return self.model.get_buffer(full)
+
     def remove(self) -> None:
         """Delete every history buffer from the model (un-preparing it)."""
         names = [n for n, _ in self.model.named_buffers(recurse=False) if n.startswith(PREFIX)]
@@ -105,6 +119,9 @@ def _create_loaded(model: torch.nn.Module, state_dict, prefix, *args) -> None:
         raise ConfigError(_legacy_refusal(legacy))
     for key in ours if history is not None else ():
         saved = state_dict[key]
+        if key[len(prefix + PREFIX):] == SEED:
+            history.seed()
+            continue
         history.get(key[len(prefix + PREFIX):], saved.shape[1] if saved.dim() == 2 else 0)
 
 
@@ -123,14 +140,21 @@ def is_delayed(f8: Optional[Float8Config]) -> bool:
     return f8 is not None and f8.scaling == "delayed"
 
 
+def keeps_state(f8: Optional[Float8Config]) -> bool:
+    """Whether `f8` keeps state in the model: amax histories, or the stochastic-rounding seed."""
+    return is_delayed(f8) or (f8 is not None and f8.nvfp4_stochastic_rounding)
+
+
 def attach_history(model: torch.nn.Module, f8: Optional[Float8Config]):
-    """Give `model` its Float8History for delayed scaling; returns the hook handle to remove
+    """Give `model` its Float8History where `f8` keeps state; returns the hook handle to remove
     (with the history) when the model is un-prepared, or None when nothing was attached."""
-    if not is_delayed(f8) or history_of(model) is not None:
+    if not keeps_state(f8) or history_of(model) is not None:
         return None
     tensors = [*model.parameters(), *model.buffers()]
     device = tensors[0].device if tensors else torch.device("cpu")
-    model.__dict__[_ATTR] = Float8History(model, f8.history_len, device)
+    model.__dict__[_ATTR] = history = Float8History(model, f8.history_len, device)
+    if f8.nvfp4_stochastic_rounding:  # in the state_dict from the start, trained or not
+        history.seed()
     return model.register_load_state_dict_pre_hook(_create_loaded)
 
 

@@ -167,10 +167,12 @@ def _hp_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _apply(a: torch.Tensor, b: torch.Tensor, recipe: str, history_a: Optional[torch.Tensor],
-           history_b: Optional[torch.Tensor], update: bool, mx_scale_mode: str) -> torch.Tensor:
+           history_b: Optional[torch.Tensor], update: bool, mx_scale_mode: str,
+           rht_signs: Optional[tuple[int, ...]] = None,
+           sr_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
     # the block-scaled recipes have their own GEMM (fxamp/float8/block_gemm.py), no histories
     if RECIPES[recipe].block:
-        return BlockScaledMM.apply(a, b, recipe, mx_scale_mode)
+        return BlockScaledMM.apply(a, b, recipe, mx_scale_mode, rht_signs, sr_seed)
     return Float8MM.apply(a, b, recipe, history_a, history_b, update)
 
 
@@ -178,13 +180,17 @@ def float8_matmul(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor]
                   history_a: Optional[torch.Tensor] = None,
                   history_b: Optional[torch.Tensor] = None, *, alpha: float = 1,
                   beta: float = 1, update_history: bool = True,
-                  mx_scale_mode: str = "rceil") -> torch.Tensor:
+                  mx_scale_mode: str = "rceil", rht_signs: Optional[tuple[int, ...]] = None,
+                  sr_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`beta * bias + alpha * (a @ b)` for a [..., K] and a 2-D b [K, N], in float8 (mm,
     matmul, addmm). `update_history`: push the amaxes into the histories (delayed scaling;
     Note [Eval forwards leave the histories alone]). `mx_scale_mode`: recipe="mxfp8"'s
-    scale rounding (`Float8Config.mx_scale_mode`)."""
+    scale rounding (`Float8Config.mx_scale_mode`); `rht_signs`: recipe="nvfp4"'s Hadamard
+    transform of the grad_weight GEMM's operands (`Float8Config.nvfp4_rht_signs`); `sr_seed`:
+    the model's stochastic-rounding counter, read and advanced (recipe="nvfp4" with
+    `Float8Config.nvfp4_stochastic_rounding`)."""
     out = _apply(a.reshape(-1, a.shape[-1]), b, recipe, history_a, history_b, update_history,
-                 mx_scale_mode)
+                 mx_scale_mode, rht_signs, sr_seed)
     return _epilogue(out.reshape(*a.shape[:-1], out.shape[-1]), bias, alpha, beta)
 
 
@@ -201,17 +207,21 @@ def _epilogue(out: torch.Tensor, bias: Optional[torch.Tensor], alpha: float,
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                   recipe: str, history_x: Optional[torch.Tensor] = None,
                   history_w: Optional[torch.Tensor] = None, *,
-                  update_history: bool = True, mx_scale_mode: str = "rceil") -> torch.Tensor:
+                  update_history: bool = True, mx_scale_mode: str = "rceil",
+                  rht_signs: Optional[tuple[int, ...]] = None,
+                  sr_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` in float8: torchao's `Float8Linear.forward`."""
     return float8_matmul(x, weight.t(), bias, recipe, history_x, history_w,
-                         update_history=update_history, mx_scale_mode=mx_scale_mode)
+                         update_history=update_history, mx_scale_mode=mx_scale_mode,
+                         rht_signs=rht_signs, sr_seed=sr_seed)
 
 
 def float8_bmm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
                history_a: Optional[torch.Tensor] = None,
                history_b: Optional[torch.Tensor] = None, *, alpha: float = 1,
                beta: float = 1, update_history: bool = True,
-               mx_scale_mode: str = "rceil") -> torch.Tensor:
+               mx_scale_mode: str = "rceil", rht_signs: Optional[tuple[int, ...]] = None,
+               sr_seed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`beta * bias + alpha * (a @ b)` for batched a [..., M, K] and b [..., K, N] in float8
     (bmm, baddbmm, batched matmul; Note [Batched float8 GEMMs]). A `b` with a single batch
     entry (the source of a broadcast: a linear written as a bmm) is one flattened 2-D GEMM,
@@ -219,10 +229,10 @@ def float8_bmm(a: torch.Tensor, b: torch.Tensor, bias: Optional[torch.Tensor], r
     k, n = b.shape[-2:]
     if b.shape[:-2].numel() == 1:
         out = _apply(a.reshape(-1, k), b.reshape(k, n).to(a.dtype), recipe, history_a,
-                     history_b, update_history, mx_scale_mode)
+                     history_b, update_history, mx_scale_mode, rht_signs, sr_seed)
         out = out.reshape(*a.shape[:-1], n)
     else:
         out = _apply(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, k, n), recipe, history_a,
-                     history_b, update_history, mx_scale_mode)
+                     history_b, update_history, mx_scale_mode, rht_signs, sr_seed)
         out = out.reshape(*a.shape[:-1], n)
     return _epilogue(out, bias, alpha, beta)

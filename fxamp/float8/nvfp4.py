@@ -14,7 +14,7 @@ import torch
 
 from fxamp.float8.blocks import NVFP4_BLOCK, to_blocks
 
-__all__ = ["NVFP4_RULES", "NVFP4Quantized", "e2m1_decode", "e2m1_encode", "hadamard_transform",
+__all__ = ["NVFP4_RHT_SIGNS", "NVFP4_RULES", "NVFP4Quantized", "e2m1_decode", "e2m1_encode", "hadamard_transform",
            "nvfp4_dequantize", "nvfp4_quantize", "pack_e2m1", "unpack_e2m1"]
 
 E4M3 = torch.float8_e4m3fn
@@ -42,6 +42,9 @@ E2M1_UP = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False
 #     makes t 0 and every scale nan, as in torchao.
 # The two differ by the rounding of g against 1 / t: rarely by one e4m3 step of a scale.
 NVFP4_RULES = ("kernel", "emulated")
+# A fixed sign vector for the Hadamard transform (Float8Config.nvfp4_rht_signs): drawn once,
+# from a seeded generator; any vector of +1/-1 rotates orthogonally.
+NVFP4_RHT_SIGNS = (1, -1, -1, 1, 1, 1, -1, 1, -1, -1, 1, -1, 1, 1, -1, -1)
 
 
 class NVFP4Quantized(NamedTuple):

@@ -31,7 +31,7 @@ from fxamp.errors import ConfigError
 from fxamp.master_weights import guard_master_weights
 from fxamp.policy import LOW_DTYPES
 from fxamp.float8.config import check_float8_support
-from fxamp.float8.delayed import attach_history, detach_history, history_of, is_delayed
+from fxamp.float8.delayed import attach_history, detach_history, history_of, keeps_state
 from fxamp.policy.rules import check_module_overrides
 from fxamp.model.sharded_modules import (check_copyable, check_sharded, compile_sharded_modules,
                                    modules_to_compile)
@@ -225,7 +225,7 @@ def compile_module(model: torch.nn.Module, fxamp_backend: FxampBackend,
     # Note [Graphs that hold a model's state]; a copy gets its histories with its state, after
     # this: a token of its own until then (its graphs read them at their first trace).
     fxamp_backend.owner = history_of(model) or (
-        object() if is_delayed(fxamp_backend.config.float8) else None)
+        object() if keeps_state(fxamp_backend.config.float8) else None)
     # A model whose graphs hold its state compiles them in a Dynamo cache region of its own,
     # so that other models' graphs count against no recompile limit of its frames.
     isolated = _compat.isolated_recompiles() if fxamp_backend.owner is not None else {}

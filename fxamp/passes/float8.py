@@ -20,9 +20,9 @@ import torch.fx as fx
 
 from fxamp._compat import SET_GRAD_ENABLED, detect_fake_mode, size_hint, size_rule_holds
 from fxamp.config import AmpConfig
-from fxamp.float8.block_gemm import block_reason, block_shape_refusal
+from fxamp.float8.block_gemm import block_kwargs, block_reason, block_shape_refusal
 from fxamp.float8.config import Float8Config
-from fxamp.float8.delayed import PREFIX, Float8History, history_name
+from fxamp.float8.delayed import PREFIX, SEED, Float8History, history_name, is_delayed
 from fxamp.float8.gemm import float8_bmm, float8_linear, float8_matmul
 from fxamp.passes.annotate import short_dtype
 from fxamp.passes.float8_operands import GEMM_OPS, GemmOperands, gemm_operands
@@ -92,8 +92,7 @@ def _flops(node: fx.Node) -> int:
 def _shape_refusal(shape: tuple, f8: Float8Config) -> Optional[str]:
     m, k, n = shape
     symbolic = "" if all(isinstance(d, int) for d in shape) else " (or data-dependent)"
-    block = f8.spec.block and block_shape_refusal(shape, f8.spec.block)
-    if block:
+    if block := f8.spec.block and block_shape_refusal(shape, f8.spec.block):
         return block
     if not f8.spec.block and not all(size_rule_holds(d % 16 == 0) for d in shape):
         return (f"M x K x N = {m} x {k} x {n}: not all multiples of 16{symbolic} "
@@ -153,8 +152,7 @@ def _why(ops: GemmOperands, config: AmpConfig) -> str:
 
 def decide(gm: fx.GraphModule, node: fx.Node, config: AmpConfig,
            rewritable: bool = True) -> GemmChoice:
-    op, module = GEMM_OPS[node.target], _module(node)[0]
-    ops = gemm_operands(gm, node)
+    op, module, ops = GEMM_OPS[node.target], _module(node)[0], gemm_operands(gm, node)
     shape = None if ops.a is None else ops.mkn
     refusal = _refusal(node, ops, config, rewritable)
     planned = config.graph.plan_reason(module)
@@ -201,20 +199,20 @@ def _erase_unused(node: Any) -> None:
 
 def _history_args(gm: fx.GraphModule, node: fx.Node, history: Float8History,
                   name: str, entries: int) -> tuple[fx.Node, ...]:
+    return tuple(_buffer_attr(gm, node, f"{name}_{role}", history.get(f"{name}_{role}", entries))
+                 for role in ("input", "weight"))
+
+
+def _buffer_attr(gm: fx.GraphModule, node: fx.Node, name: str, tensor: torch.Tensor) -> fx.Node:
     # Note [Delayed scaling lives in the model]: the graph reads and updates the model's own
     # buffers, registered on the graph module under the same tensor (AOTAutograd lifts a graph
     # module's buffers to inputs of the compiled function and copies mutations back).
     fake_mode = detect_fake_mode([node.meta.get("val")])
-    attrs = []
-    for operand in ("input", "weight"):
-        full = f"{name}_{operand}"
-        tensor = history.get(full, entries)
-        gm.register_buffer(PREFIX + full, tensor)
-        with gm.graph.inserting_before(node):
-            attr = gm.graph.get_attr(PREFIX + full)
-        attr.meta["val"] = fake_mode.from_tensor(tensor) if fake_mode else tensor
-        attrs.append(attr)
-    return tuple(attrs)
+    gm.register_buffer(PREFIX + name, tensor)
+    with gm.graph.inserting_before(node):
+        attr = gm.graph.get_attr(PREFIX + name)
+    attr.meta["val"] = fake_mode.from_tensor(tensor) if fake_mode else tensor
+    return attr
 
 
 def _ranks(gm: fx.GraphModule) -> dict[fx.Node, int]:
@@ -271,10 +269,12 @@ def _stored_source(value: object, hops: int = 8) -> Optional[str]:
 def rewrite_gemms(gm: fx.GraphModule, config: AmpConfig,
                   history: Optional[Float8History] = None, *, grad_enabled: bool = True) -> int:
     """Replace every GEMM whose GemmChoice says float8; returns how many were rewritten.
-    With delayed scaling, `history` holds the amax histories the new nodes read, and update
-    where gradients are enabled (`grad_enabled`: the mode the graph was traced in)."""
+    `history` holds the model's float8 state the new nodes read, and update where gradients are
+    enabled (`grad_enabled`: the traced mode): amax histories, the stochastic-rounding seed."""
     rewritten = 0
-    names = {} if history is None else _history_names(gm, history)
+    delayed = history is not None and is_delayed(config.float8)
+    stochastic = history is not None and config.float8.nvfp4_stochastic_rounding
+    names = _history_names(gm, history) if delayed else {}
     modes = _grad_modes(gm, grad_enabled)
     for node in list(gm.graph.nodes):
         choice = node.meta.get(FLOAT8_META)
@@ -282,11 +282,12 @@ def rewrite_gemms(gm: fx.GraphModule, config: AmpConfig,
             continue
         fn, args, kwargs = _replacement(gm, node)
         args = (*args, config.float8.recipe)
-        if config.float8.spec.block and config.float8.mx_scale_mode != "rceil":
-            kwargs = {**kwargs, "mx_scale_mode": config.float8.mx_scale_mode}
-        if history is not None:
+        kwargs = {**kwargs, **block_kwargs(config.float8)}
+        if delayed:
             args = (*args, *_history_args(gm, node, history, names[node], choice.batch))
             kwargs = kwargs if modes[node] else {**kwargs, "update_history": False}
+        if stochastic and modes[node]:  # Note [The seed of NVFP4's stochastic rounding]
+            kwargs = {**kwargs, "sr_seed": _buffer_attr(gm, node, SEED, history.seed())}
         with gm.graph.inserting_before(node):
             new = gm.graph.call_function(fn, args, kwargs)
         new.meta.update(node.meta)
