@@ -1,11 +1,13 @@
 """The block-scaled recipes (MXFP8, NVFP4) on a small Llama-style model, on the CPU.
 
 Trains the same model from the same seed in bf16 (fxamp O1) and with `float8="mxfp8"` and
-`float8="nvfp4"` on top of O1, where every GEMM of every linear (output, grad_input and
-grad_weight) runs block-scaled, emulated (docs/float8.md, "Block-scaled formats"), and prints
+NVFP4 as torchao's training recipe (the grad_weight GEMM's operands Hadamard-rotated, the
+output gradient rounded stochastically) on top of O1, where every GEMM of every linear
+(output, grad_input and grad_weight) runs block-scaled, emulated (docs/float8.md, "Block-scaled formats"), and prints
 each recipe's loss after the same steps next to bf16's. Then it stops each block-scaled run
 half way, saves model and optimizer, loads them into a fresh model and optimizer and finishes:
-the resumed weights equal the uninterrupted run's bit for bit.
+the resumed weights equal the uninterrupted run's bit for bit (NVFP4's stochastic-rounding
+counter is a buffer of the model: it is saved and restored with the weights).
 
     python -m examples.blockscaled            # 100 steps (about a minute on 2 cores)
     python -m examples.blockscaled --steps 10
@@ -15,14 +17,18 @@ from __future__ import annotations
 
 import argparse
 import io
-from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import fxamp
+from fxamp.float8 import Float8Config
+from fxamp.float8.nvfp4 import NVFP4_RHT_SIGNS
 
+RECIPES = {"bf16": None, "mxfp8": "mxfp8",
+           "nvfp4": Float8Config(recipe="nvfp4", nvfp4_rht_signs=NVFP4_RHT_SIGNS,
+                                 nvfp4_stochastic_rounding=True)}
 VOCAB, DIM, HEADS, FFN, LAYERS, SEQ, BATCH = 128, 64, 4, 128, 2, 32, 4
 
 
@@ -89,7 +95,7 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def build(recipe: Optional[str]) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(recipe: object) -> tuple[nn.Module, torch.optim.Optimizer]:
     model = fxamp.compile(TinyLlama(), opt_level="O1", dtype=torch.bfloat16, float8=recipe,
                           compiler="aot_eager")
     return model, fxamp.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -107,7 +113,7 @@ def train(model: nn.Module, opt: torch.optim.Optimizer,
     return losses
 
 
-def resumed(recipe: str, data: list[tuple[torch.Tensor, torch.Tensor]]) -> nn.Module:
+def resumed(recipe: object, data: list[tuple[torch.Tensor, torch.Tensor]]) -> nn.Module:
     """The run stopped half way, saved, loaded into fresh objects and finished."""
     half = len(data) // 2
     model, opt = build(recipe)
@@ -127,17 +133,17 @@ def main(steps: int = 100) -> dict[str, float]:
     data = batches(steps)
     final: dict[str, float] = {}
     weights = {}
-    for name, recipe in (("bf16", None), ("mxfp8", "mxfp8"), ("nvfp4", "nvfp4")):
+    for name, recipe in RECIPES.items():
         model, opt = build(recipe)
         losses = train(model, opt, data)
         final[name] = sum(losses[-10:]) / len(losses[-10:])  # the last steps' mean
         weights[name] = model.state_dict()
         gap = "" if recipe is None else f"  ({final[name] / final['bf16'] - 1:+.2%} vs bf16)"
         print(f"{name:6s} loss after {steps} steps (mean of the last 10): {final[name]:.4f}{gap}")
-    for recipe in ("mxfp8", "nvfp4"):
-        again = resumed(recipe, data).state_dict()
-        exact = all(torch.equal(again[k], v) for k, v in weights[recipe].items())
-        print(f"{recipe}: resumed half way, weights {'bit-exact' if exact else 'DIFFER'}")
+    for name in ("mxfp8", "nvfp4"):
+        again = resumed(RECIPES[name], data).state_dict()
+        exact = all(torch.equal(again[k], v) for k, v in weights[name].items())
+        print(f"{name}: resumed half way, weights {'bit-exact' if exact else 'DIFFER'}")
     return final
 
 
