@@ -16,6 +16,7 @@ forward values (same names as the forward nodes) or `tangents_i`, the gradients 
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -30,7 +31,8 @@ from fxamp.passes.insert_casts import is_fxamp_cast
 from fxamp.model.prepare import CompileSettings, Prepared, prepare, requested_config
 from fxamp.provenance import OpSite, module_of, source_line
 
-__all__ = ["GraphRecord", "OpSite", "Origin", "InstrumentingCompiler", "origin_of", "tensors_of",
+__all__ = ["GraphRecord", "OpSite", "Origin", "InstrumentingCompiler", "origin_of", "readable",
+           "tensors_of",
            "display_name", "describe_config",
            "prepare_private", "call_model", "default_loss", "backward"]
 
@@ -88,6 +90,12 @@ def _policy(pre: Optional[fx.Node]) -> str:
     return "" if decision is None else f"{decision.policy.value} ({decision.reason})"
 
 
+def _target_name(target: Any) -> str:
+    # An ATen op as torch prints it ("aten.linear.default"); a Python function that fxamp's
+    # passes call (float8_linear) by its name, not its repr with an address
+    return target.__name__ if isinstance(target, types.FunctionType) else str(target)
+
+
 def origin_of(node: fx.Node, phase: str, record: GraphRecord) -> Origin:
     """The Origin of `node`, a node of `record`'s forward or backward graph."""
     forward = node
@@ -102,7 +110,8 @@ def origin_of(node: fx.Node, phase: str, record: GraphRecord) -> Origin:
         op = "input" if phase == FORWARD else \
             "tangent" if node.name.startswith("tangents") else "saved"
     return Origin(phase, record.index, node.name, op,
-                  str(pre.target) if pre is not None and pre.op == "call_function" else "",
+                  _target_name(pre.target) if pre is not None and pre.op == "call_function"
+                  else "",
                   module, module_type,
                   source_line(node.meta.get("stack_trace") or forward.meta.get("stack_trace")),
                   _policy(pre), pre)
@@ -124,6 +133,14 @@ def describe_config(config: AmpConfig) -> str:
     if config.opt_level == "O0":
         return "O0 | fp32"
     return f"{config.opt_level} | dtype {short_dtype(config.dtype)}"
+
+
+def readable(t: torch.Tensor) -> torch.Tensor:
+    """`t` detached, as the checks can read it: a float8 tensor (e4m3, e5m2, e8m0: a float8
+    GEMM's quantized operands and scales, which have no isfinite, abs or comparison) as float32,
+    the values it holds; any other tensor as it is."""
+    t = t.detach()
+    return t.float() if t.is_floating_point() and t.dtype.itemsize == 1 else t
 
 
 def tensors_of(value: Any) -> list[tuple[str, torch.Tensor]]:

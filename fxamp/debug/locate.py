@@ -21,7 +21,8 @@ from fxamp._compat import TorchDispatchMode, pytree
 from fxamp.config import AmpConfig
 from fxamp.debug.instrument import (BACKWARD, FORWARD, GraphRecord, InstrumentingCompiler,
                                     Origin, backward, call_model, default_loss, display_name,
-                                    origin_of, prepare_private, tensors_of)
+                                    origin_of, prepare_private, readable,
+                                    tensors_of)
 from fxamp.debug.report import (LOSS, Culprit, OverflowReport, OverflowSite, TensorSummary,
                                 loss_site, make_site)
 
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 
 
 def _all_finite(tensors) -> bool:
-    return all(bool(torch.isfinite(t).all()) for _, t in tensors)
+    return all(bool(torch.isfinite(readable(t)).all()) for _, t in tensors)
 
 
 def _nonfinite_literal(node: fx.Node) -> bool:

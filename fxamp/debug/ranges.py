@@ -24,7 +24,7 @@ from fxamp.config import AmpConfig
 from fxamp.debug import instrument
 from fxamp.debug.instrument import (BACKWARD, GraphRecord, InstrumentingCompiler, OpSite, Origin,
                                     call_model, default_loss, describe_config, origin_of,
-                                    prepare_private, tensors_of)
+                                    prepare_private, readable, tensors_of)
 from fxamp.passes.annotate import short_dtype
 
 __all__ = ["range_stats", "RangeRecorder", "RangeTable", "RangeRow", "FP16_MAX",
@@ -77,7 +77,7 @@ class _Accumulator:
         self.counts: Optional[torch.Tensor] = None
 
     def add(self, t: torch.Tensor) -> None:
-        a = t.detach().abs()
+        a = readable(t).abs()
         if a.dtype.itemsize < 4:  # compare in fp32: 65504 is not a bf16 number
             a = a.float()
         big = torch.where(torch.isnan(a), 0, a).amax()

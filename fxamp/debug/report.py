@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from fxamp.config import AmpConfig
-from fxamp.debug.instrument import BACKWARD, OpSite, Origin, describe_config
+from fxamp.debug.instrument import BACKWARD, OpSite, Origin, describe_config, readable
 from fxamp.passes.annotate import short_dtype
 from fxamp.passes.insert_casts import is_fxamp_cast
 
@@ -37,7 +37,7 @@ class TensorSummary:
 
     @classmethod
     def of(cls, name: str, t: torch.Tensor) -> "TensorSummary":
-        a = t.detach().abs()
+        a = readable(t).abs()
         finite = torch.isfinite(a)
         max_abs = float(torch.where(finite, a, 0).max()) if a.numel() else 0.0
         return cls(name, short_dtype(t.dtype), tuple(t.shape), max_abs,
