@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 import fxamp
+from fxamp.float8.config import recipe_refusal
 
 
 def _model():
@@ -17,7 +18,10 @@ def _model():
     return model
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["tensorwise", pytest.param("rowwise", marks=pytest.mark.skipif(
+    recipe_refusal("rowwise", "cpu", torch.float16) is not None,
+    reason="this torch's torch._scaled_mm has no row-scaled float8 GEMM on CPU (2.13+ has)")),
+    "mxfp8", "nvfp4"])
 def test_the_locator_finds_the_float8_gemm_and_its_fix_keeps_it_finite(recipe):
     torch.manual_seed(1)
     model, x = _model(), torch.randn(32, 64) * 100
