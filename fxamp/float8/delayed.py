@@ -120,8 +120,7 @@ def _create_loaded(model: torch.nn.Module, state_dict, prefix, *args) -> None:
     for key in ours if history is not None else ():
         saved = state_dict[key]
         if key[len(prefix + PREFIX):] == SEED:
-            history.seed()
-            continue
+            continue  # made at preparation where the config draws from it (attach_history)
         history.get(key[len(prefix + PREFIX):], saved.shape[1] if saved.dim() == 2 else 0)
 
 
