@@ -75,6 +75,7 @@ def test_checkpointed_body_follows_the_policy():
     assert [n.meta["val"].dtype for n in linears] == [torch.bfloat16] * 2
 
 
+@pytest.mark.slow  # ~17 s; the checkpointed graphs' casts are checked without Inductor above
 def test_checkpoint_through_inductor():
     model = fxamp.compile(_make("non_reentrant")(), opt_level="O2")
     parity.grads(model, _x())

@@ -196,7 +196,8 @@ def test_tied_lm_head_trains_in_float8():
     torch.manual_seed(0)
     model = TiedLM()
     ref = copy.deepcopy(model)
-    fxamp.compile(model, opt_level="O1", float8="tensorwise")
+    # the GEMM kinds through Inductor, tied heads among them: tests/test_float8_matrix.py
+    fxamp.compile(model, opt_level="O1", float8="tensorwise", compiler="aot_eager")
     ids = torch.randint(0, 64, (2, 16))
     model(ids).float().pow(2).mean().backward()
     ref(ids).float().pow(2).mean().backward()

@@ -112,6 +112,7 @@ def test_training_tracks_fp32(cases, fp32_losses, name, opt_level, dtype):
     _check_tracks_fp32(cases, fp32_losses, name, opt_level, dtype, "aot_eager")
 
 
+@pytest.mark.slow  # ~30 s; Inductor's training is in the default tier in tests/test_training.py
 def test_training_through_inductor(cases, fp32_losses):
     _check_tracks_fp32(cases, fp32_losses, "gpt2", "O1", torch.float16, "inductor")
 

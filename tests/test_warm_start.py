@@ -75,6 +75,8 @@ def cold(cache):
     return _train_in_a_process(cache)
 
 
+# Both tests are the slow tier: three processes compiling into an empty cache (~65 s here).
+@pytest.mark.slow
 def test_a_second_process_compiles_fxamps_graphs_from_the_caches(cache, cold):
     warm = _train_in_a_process(cache)
     # forward + backward of the models, and the optimizer's graphs: all compiled, then all hit
@@ -86,6 +88,7 @@ def test_a_second_process_compiles_fxamps_graphs_from_the_caches(cache, cold):
     assert warm["autograd_cache_miss"] == warm["autograd_cache_bypass"] == 0, warm
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not AVX512, reason="needs a CPU with AVX-512 (two vector widths to pick)")
 def test_graphs_for_another_vector_width_are_other_cache_entries(cache, cold):
     # the O1 model's forward and backward, which the wide process compiled, are compiled again,

@@ -81,7 +81,8 @@ def test_overflow_on_one_rank_skips_on_all(kind):
     _check_all_skipped_together(ranks, ranks[0]["single"], sharded=kind == "fsdp")
 
 
-@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+@pytest.mark.slow  # ~25 s per kind: two ranks compiling the step with Inductor
+@pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 def test_compiled_step_agrees_with_collectives_traced_into_it(kind):
     # The same through Inductor: the all-reduces are functional collectives inside the compiled
     # prologue (fullgraph=True, so a graph break would raise). About 20 s per kind here.

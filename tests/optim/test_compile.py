@@ -81,6 +81,7 @@ def _twelve_cases():
     return cases
 
 
+@pytest.mark.slow  # ~30 s: twelve compiled steps in one process (the others here compile a few)
 def test_twelve_optimizers_and_their_loss_scalers_compile_in_one_process():
     # Dynamo's default recompile limit (8 per code object; an error under fullgraph=True) is
     # never reached: each kind of step and of loss-scale update has a Dynamo cache of its own
