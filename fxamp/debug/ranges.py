@@ -5,7 +5,9 @@
 |x|, and the fractions of values that fp16 would overflow (|x| > 65504), flush to zero
 (0 < |x| < 2**-24) or store as subnormals (0 < |x| < 2**-14). Run it at bf16 (fp32's exponent
 range) or O0 to see how values would fit fp16; in fp16 itself an overflow shows as inf and an
-underflow as a zero, which cannot be told from a true zero.
+underflow as a zero, which cannot be told from a true zero. With a block-scaled float8 recipe
+(`mxfp8`, `nvfp4`) the table also has each GEMM operand's block scales
+(fxamp/debug/block_scales.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch.fx as fx
 from fxamp._compat import OpOverload
 from fxamp.config import AmpConfig
 from fxamp.debug import instrument
+from fxamp.debug.block_scales import BlockScaleRecorder, BlockScaleRow
 from fxamp.debug.instrument import (BACKWARD, GraphRecord, InstrumentingCompiler, OpSite, Origin,
                                     call_model, default_loss, describe_config, origin_of,
                                     prepare_private, readable, tensors_of)
@@ -154,6 +157,7 @@ class RangeTable:
     loss_scale: float
     batches: int
     rows: tuple[RangeRow, ...]
+    block_scales: tuple[BlockScaleRow, ...] = ()  # a block-scaled float8 recipe's GEMMs
 
     def select(self, *, phase: Optional[str] = None, module: Optional[str] = None,
                op: Optional[str] = None, source_op: Optional[str] = None) -> list[RangeRow]:
@@ -194,7 +198,10 @@ class RangeTable:
         fmt = lambda row: "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
         title = (f"value ranges vs fp16: {describe_config(c)} | {self.batches} batch(es) | "
                  f"gradients at loss scale {self.loss_scale:g}")
-        return "\n".join([title, fmt(header), *(fmt(r) for r in body)])
+        blocks = ([f"block scales ({self.block_scales[0].recipe}; factors a block's values are "
+                   "multiplied by, over non-zero blocks):"] +
+                  [f"  {r}" for r in self.block_scales] if self.block_scales else [])
+        return "\n".join([title, fmt(header), *(fmt(r) for r in body), *blocks])
 
 
 def range_stats(model_or_fn: Callable, batches: Union[Iterable[Any], torch.Tensor],
@@ -223,14 +230,26 @@ def range_stats(model_or_fn: Callable, batches: Union[Iterable[Any], torch.Tenso
     Returns:
         A RangeTable: print it, `.to_csv()`, `.as_dicts()`, `.at_risk()`, `.select(...)`.
     """
+    batches = [batches] if isinstance(batches, torch.Tensor) else list(batches)
     recorder = RangeRecorder()
-    prepared = prepare_private(model_or_fn, recorder, config=config, opt_level=opt_level,
-                               overrides=overrides)
-    count = 0
-    for batch in [batches] if isinstance(batches, torch.Tensor) else batches:
+    prepared = _run(recorder, model_or_fn, batches, loss_fn, loss_scale, backward,
+                    dict(config=config, opt_level=opt_level, overrides=overrides))
+    table = recorder.table(prepared.config, loss_scale=loss_scale, batches=len(batches))
+    f8 = prepared.config.float8
+    if f8 is None or not f8.spec.block:
+        return table
+    blocks = BlockScaleRecorder()  # the block scales: fxamp's graph run eagerly, once more
+    _run(blocks, model_or_fn, batches, loss_fn, loss_scale, backward,
+         dict(config=config, opt_level=opt_level, overrides=overrides))
+    return dataclasses.replace(table, block_scales=blocks.rows())
+
+
+def _run(inner: Callable, model_or_fn: Callable, batches: list, loss_fn: Optional[Callable],
+         loss_scale: float, backward: bool, how: dict) -> Any:
+    prepared = prepare_private(model_or_fn, inner, **how)
+    for batch in batches:
         outputs, target = call_model(prepared, batch, loss_fn is not None)
         loss = loss_fn(outputs, target) if loss_fn is not None else default_loss(outputs)
         if backward:
             instrument.backward(loss, loss_scale)
-        count += 1
-    return recorder.table(prepared.config, loss_scale=loss_scale, batches=count)
+    return prepared

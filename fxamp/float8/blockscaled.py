@@ -1,6 +1,7 @@
 """Block-scaled GEMMs, emulated: each operand quantized along its own reduction dim (MXFP8 or
-NVFP4), dequantized, multiplied in float32. The numerical core of issue 39, not yet called by
-the float8 pass (docs/float8.md, "Block-scaled formats (in progress)").
+NVFP4), dequantized, multiplied in float32 (the `mxfp8` and `nvfp4` recipes' GEMMs:
+fxamp/float8/block_gemm.py; docs/float8.md, "Block-scaled formats"). `block_scales`: the
+scale each block of an operand gets, as the debug tools report it.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from typing import Optional, Union
 
 import torch
 
-from fxamp.float8.blocks import FORMATS, block_refusal
-from fxamp.float8.mxfp8 import MX_SCALE_MODES, mx_dequantize, mx_quantize
-from fxamp.float8.nvfp4 import NVFP4_RULES, hadamard_transform, nvfp4_dequantize, nvfp4_quantize
+from fxamp.float8.blocks import FORMATS, block_refusal, to_blocks
+from fxamp.float8.mxfp8 import MX_SCALE_MODES, mx_dequantize, mx_quantize, mx_scale_to_float32
+from fxamp.float8.nvfp4 import (E4M3_TINY, NVFP4_RULES, hadamard_transform, nvfp4_dequantize,
+                                nvfp4_quantize)
 
-__all__ = ["BlockFormat", "blockscaled_mm", "fake_quantize", "linear_refusal"]
+__all__ = ["BlockFormat", "block_scales", "blockscaled_mm", "fake_quantize", "linear_refusal"]
 
 Noise = Union[None, torch.Generator, torch.Tensor]
 
@@ -76,6 +78,25 @@ def fake_quantize(x: torch.Tensor, fmt: BlockFormat, *, dim: int,
     q = nvfp4_quantize(x, dim=dim, tile_dim=other_dim if fmt.tiles else None, rule=fmt.rule,
                        stochastic=noise if fmt.stochastic else None, batch_dims=batch_dims)
     return nvfp4_dequantize(q)
+
+
+def block_scales(x: torch.Tensor, fmt: BlockFormat, *, dim: int, other_dim: Optional[int] = None,
+                 batch_dims: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The scale of every block of `x` quantized as `fake_quantize` quantizes it (before any
+    Hadamard transform), as three float32/bool tensors shaped like the blocks: the factor the
+    block's values are multiplied by (2**e for MXFP8; per-tensor scale times e4m3 block scale
+    for NVFP4), whether that scale is at the format's floor (e8m0's 2**-127, e4m3's 2**-6: the
+    block's small values lose bits or flush), and whether the block is all zero."""
+    zero = to_blocks(x, dim, FORMATS[fmt.fmt]).data.abs().amax(dim=-1) == 0
+    if fmt.fmt == "mxfp8":
+        q = mx_quantize(x, dim=dim, mode=fmt.mode)
+        scale = q.scale.movedim(q.dim, -1)
+        return mx_scale_to_float32(scale), scale.view(torch.uint8) == 0, zero
+    q = nvfp4_quantize(x, dim=dim, tile_dim=other_dim if fmt.tiles else None, rule=fmt.rule,
+                       batch_dims=batch_dims)
+    block = q.scale.to(torch.float32)
+    scale = (q.tensor_scale * block).movedim(q.dim, -1)
+    return scale, block.movedim(q.dim, -1) <= E4M3_TINY, zero
 
 
 def blockscaled_mm(a: torch.Tensor, b: torch.Tensor, *, a_format: BlockFormat,

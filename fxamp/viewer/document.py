@@ -16,9 +16,9 @@ from fxamp.debug.report import OverflowReport
 from fxamp.errors import ConfigError
 from fxamp.planner.plan import PrecisionPlan
 from fxamp.viewer.graph import graph_json, legend
-from fxamp.viewer.overlays import (LEGEND, GraphIndex, Overlay, dtype_overlay,
-                                   float8_scale_overlay, headroom_overlays, overflow_overlay,
-                                   plan_overlays)
+from fxamp.viewer.overlays import (LEGEND, GraphIndex, Overlay, block_scale_overlay,
+                                   dtype_overlay, float8_scale_overlay, headroom_overlays,
+                                   overflow_overlay, plan_overlays)
 from fxamp.viewer.saved import FORMAT_VERSION, check_writable, read_view
 
 from fxamp.viewer.server import Viewer, show
@@ -88,7 +88,9 @@ def _overlays(report: "Explanation", index: GraphIndex, overflow: Optional[Overf
         overlays += plan_overlays(plan, index)
     if report.ranges is not None:
         if report.config.float8 is not None:
-            overlays.append(float8_scale_overlay(report.ranges, index))
+            overlays.append(block_scale_overlay(report.ranges, index)
+                            if report.config.float8.spec.block
+                            else float8_scale_overlay(report.ranges, index))
         overlays += headroom_overlays(report.ranges, index)[::-1]
     overlays.append(dtype_overlay(index))
     if overflow is not None:

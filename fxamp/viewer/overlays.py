@@ -3,9 +3,10 @@
 Each overlay is built from data fxamp already has, keyed to the nodes of the graphs `explain()`
 shows: the dtype each node runs in; fp16 headroom (65504 / max|x|) from `range_stats`; the op
 `locate_overflow` found; the planner's per-GEMM errors, modeled times and choices; the float8
-scales the example batch gives. Rows measured on the graphs AOTAutograd derived name the node
-of fxamp's graph they come from (`source_node`); the planner's GEMMs are matched by module, op
-and rank (a float8 GEMM is a new node with a new name).
+scales the example batch gives (a block-scaled GEMM's: the spread of its block scales). Rows
+measured on the graphs AOTAutograd derived name the node of fxamp's graph they come from
+(`source_node`); the planner's GEMMs are matched by module, op and rank (a float8 GEMM is a new
+node with a new name).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from fxamp.provenance import module_of
 from fxamp.viewer.graph import DTYPE_COLOURS, FLOAT8, runs_in
 
 __all__ = ["Overlay", "GraphIndex", "dtype_overlay", "headroom_overlays", "overflow_overlay",
-           "plan_overlays", "float8_scale_overlay", "RED", "YELLOW", "WHITE", "OVERFLOW", "LEGEND"]
+           "plan_overlays", "float8_scale_overlay", "block_scale_overlay", "RED", "YELLOW",
+           "WHITE", "OVERFLOW", "LEGEND"]
 
 # An overlay's colours say how bad, in hues no dtype has (graph.DTYPE_COLOURS): a node coloured
 # by an overlay must never pass for one running in some dtype. Nothing to see is white.
@@ -246,7 +248,7 @@ def float8_scale_overlay(table: RangeTable, index: GraphIndex) -> Overlay:
     amax = {(r.graph, r.source_node): r.max_abs for r in table.rows if r.phase == "forward"}
     results, notes = {}, {}
     for graph, gid, node in index.forward_nodes():
-        if not is_float8_gemm(node):
+        if not is_float8_gemm(node) or RECIPES[node.args[3]].block:  # block_scale_overlay
             continue
         recipe = RECIPES[node.args[3]]
         scales = [_scale(amax.get((graph, a.name)), recipe.input, recipe.pow2_scales)
@@ -264,3 +266,22 @@ def _scale(amax: Optional[float], dtype: torch.dtype, pow2: bool) -> Optional[fl
     if amax is None or not math.isfinite(amax):
         return None
     return float(amax_to_scale(torch.tensor(amax), dtype, pow2))
+
+
+def block_scale_overlay(table: RangeTable, index: GraphIndex) -> Overlay:
+    """Each block-scaled GEMM's share of blocks whose scale is at the format's floor, the worst
+    of its operands (red where any is: values there lose bits or flush), each operand's range
+    of block scales in its notes (`RangeTable.block_scales`)."""
+    results, notes, worst = {}, {}, {}
+    for row in table.block_scales:
+        found = index.find(row.graph, row.node)
+        if found is None:
+            continue
+        gid, node = found
+        worst[gid, node.name] = max(row.at_floor, worst.get((gid, node.name), 0.0))
+        _put(results, gid, node.name, {"value": _num(100 * worst[gid, node.name])})
+        words = notes.setdefault(gid, {}).get(node.name)
+        _put(notes, gid, node.name,
+             (f"{words}; " if words else f"{row.recipe}: ") + row.describe())
+    return Overlay("block scales at floor pct", results, ((0.0, WHITE), (_ANY, RED)), notes)
+
