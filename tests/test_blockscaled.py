@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fxamp.float8 import Float8Config
-from fxamp.float8.blocks import block_refusal
+from fxamp.float8.blocks import block_refusal, swizzle_block_scales
 from fxamp.float8.blockscaled import BlockFormat, blockscaled_mm, fake_quantize, linear_refusal
 from fxamp.float8.mxfp8 import MX_SCALE_MODES, mx_dequantize, mx_quantize
 from fxamp.float8.nvfp4 import (e2m1_decode, e2m1_encode, hadamard_transform, nvfp4_dequantize,
@@ -415,3 +415,40 @@ def test_a_batched_gemms_entries_are_separate_gemms(fmt):
     got = block_mm(a, b.bfloat16(), act, weight, torch.float32)
     for i in range(3):
         assert torch.equal(got[i], block_mm(a[i], b[i].bfloat16(), act, weight, torch.float32))
+
+
+@pytest.mark.parametrize("shape", [(128, 4), (256, 8), (100, 3), (1, 1), (130, 9)])
+@pytest.mark.parametrize("dtype", [torch.float8_e8m0fnu, torch.float8_e4m3fn, torch.float32])
+def test_swizzled_scales_are_cublas_layout_as_torchao_lays_it_out(shape, dtype):
+    # cuBLAS's block-scaling-factor layout (the hardware lowering's input), whole tiles and
+    # padded ones, e8m0 (MXFP8), e4m3 (NVFP4) and plain values
+    torch.manual_seed(0)
+    raw = torch.randint(0, 255, shape, dtype=torch.uint8)
+    scale = raw.view(dtype) if dtype.itemsize == 1 else raw.to(dtype)
+    mine = swizzle_block_scales(scale)
+    assert mine.dtype == dtype and mine.numel() == -(-shape[0] // 128) * 128 * -(-shape[1] // 4) * 4
+    # tile (0, 0): row 32 * i + j, column c at 16 * j + 4 * i + c
+    as_bytes = mine.view(torch.uint8) if dtype.itemsize == 1 else mine
+    src = raw if dtype.itemsize == 1 else scale
+    for r, c in [(0, 0), (min(shape[0], 128) - 1, min(shape[1], 4) - 1), (shape[0] // 2, 0)]:
+        i, j = divmod(r, 32)
+        if r < 128 and c < 4:
+            assert as_bytes[16 * j + 4 * i + c] == src[r, c]
+    to_blocked = _torchao_to_blocked()
+    if to_blocked is not None:
+        ref = to_blocked(scale.view(torch.uint8) if dtype.itemsize == 1 else scale)
+        assert torch.equal(as_bytes, ref)
+
+
+def _torchao_to_blocked():
+    try:
+        from torchao.prototype.mx_formats.utils import to_blocked
+    except ImportError:
+        return None
+    return to_blocked
+
+
+def test_swizzle_refuses_other_than_a_matrix():
+    with pytest.raises(ValueError, match=r"block scales are \[rows, K // block\], not of shape "
+                       r"\(2, 3, 4\)"):
+        swizzle_block_scales(torch.zeros(2, 3, 4))

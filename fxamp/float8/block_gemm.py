@@ -6,9 +6,10 @@ Every GEMM of `BlockScaledMM` is `blockscaled_mm`'s: each operand fake-quantized
 blocks along the GEMM's reduction dim, dequantized to float32), a float32 matmul, one rounding
 to the output dtype. That is the emulated lowering of float8 (Note [The emulated float8
 lowering] in fxamp/float8/emulated.py) with block scales instead of row or tensor ones, and it
-is the only lowering written: on CUDA, where float8 GEMMs lower to `torch._scaled_mm`, the
-block-scaled one (scales swizzled into the 128x4 layout, compute capability 10.0+) is not, so
-`recipe_refusal` refuses `mxfp8` and `nvfp4` there by name.
+is the only lowering written, on every device: on CUDA too, where the float8 recipes lower to
+`torch._scaled_mm`, the block-scaled GEMMs run emulated (the same numbers, slower), and
+`explain()` says so; the hardware GEMM (block scales swizzled into cuBLAS's 128x4 layout,
+`swizzle_block_scales`, compute capability 10.0+) is not wired in.
 
 Operand by operand, for out = a [M, K] @ b [K, N] (b the weight, `w.t()` of a linear):
   output       a along K,   b along K
@@ -139,8 +140,8 @@ def block_kwargs(f8: Float8Config) -> dict:
     return kwargs  # the stochastic-rounding seed is a buffer: rewrite_gemms adds it
 
 
-def block_reason(f8: Float8Config) -> str:
-    """What a block-scaled recipe does to a GEMM, as explain() prints it."""
+def block_reason(f8: Float8Config, device_type: str = "cpu") -> str:
+    """What a block-scaled recipe does to a GEMM on `device_type`, as explain() prints it."""
     if f8.recipe == "mxfp8":
         what = f"e4m3 in blocks of 32, e8m0 scales ({f8.mx_scale_mode})"
     else:
@@ -149,4 +150,7 @@ def block_reason(f8: Float8Config) -> str:
         what = f"e2m1 in blocks of 16 (weight 16x16), e4m3 scales, {rounding}"
         if f8.nvfp4_rht_signs is not None:
             what += ", grad_weight operands Hadamard-rotated"
-    return f"{f8.recipe}: {what}, all three GEMMs, emulated"
+    where = "" if device_type == "cpu" else (
+        f" on {device_type} (fxamp has no block-scaled tensor-core lowering: Note [Block-scaled "
+        "recipes are emulated only])")
+    return f"{f8.recipe}: {what}, all three GEMMs, emulated{where}"

@@ -3,6 +3,8 @@
 Every block-scaled quantizer (fxamp/float8/mxfp8.py, nvfp4.py) works on a float32 view
 [..., K // block, block] of its input with the reduction dim moved last; `Blocks` remembers how
 to put the result back. `block_refusal` says why a shape cannot be blocked (never padded).
+`swizzle_block_scales` lays a GEMM operand's scales out as cuBLAS's block-scaled GEMMs read them
+(the hardware lowering's input, compute capability 10.0+; not yet wired into the pass).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
-__all__ = ["MX_BLOCK", "NVFP4_BLOCK", "Blocks", "block_refusal", "to_blocks"]
+__all__ = ["MX_BLOCK", "NVFP4_BLOCK", "Blocks", "block_refusal", "swizzle_block_scales",
+           "to_blocks"]
 
 MX_BLOCK = 32  # OCP MX v1.0: one e8m0 scale per 32 elements
 NVFP4_BLOCK = 16  # NVFP4: one e4m3 scale per 16 elements (and 16x16 tiles for 2-D blocks)
@@ -73,3 +76,23 @@ def block_refusal(fmt: str, shape: Sequence[int], dim: int, *,
     if fmt == "nvfp4" and tile_dim is not None and (dim - tile_dim) % rank == 0:
         return "nvfp4's 16x16 blocks need two different dims"
     return None
+
+
+def swizzle_block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """A GEMM operand's block scales, [rows, K // block] (rows: M of the left operand, N of the
+    right), in the layout cuBLAS's block-scaled GEMMs read (its "block scaling factors
+    layout", the one torchao's `to_blocked` produces): zero-padded to whole tiles of 128 rows x
+    4 scales, the tiles in row-major order, and inside a tile the scale of row 32 * i + j,
+    column c at 16 * j + 4 * i + c. Returns the 1-D result, in `scale`'s dtype (the bytes are
+    moved as they are: an e8m0 pad is the byte 0)."""
+    if scale.dim() != 2:
+        raise ValueError(f"block scales are [rows, K // block], not of shape {tuple(scale.shape)}")
+    rows, cols = scale.shape
+    tiles_r, tiles_c = -(-rows // 128), -(-cols // 4)
+    raw = scale.view(torch.uint8) if scale.dtype.itemsize == 1 else scale
+    padded = raw.new_zeros(tiles_r * 128, tiles_c * 4)
+    padded[:rows, :cols] = raw
+    # (row tile, i, j, column tile, c) -> (row tile, column tile, j, i, c)
+    out = padded.reshape(tiles_r, 4, 32, tiles_c, 4).permute(0, 3, 2, 1, 4).reshape(-1)
+    return out.view(scale.dtype) if raw is not scale else out
+

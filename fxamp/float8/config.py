@@ -20,7 +20,6 @@ from typing import Any, Optional, Union
 import torch
 
 from fxamp.errors import ConfigError
-from fxamp.float8.emulated import lowering_for
 from fxamp.float8.mxfp8 import MX_SCALE_MODES
 
 __all__ = ["Float8Config", "Recipe", "RECIPES", "SCALINGS", "MX_SCALE_MODES", "E4M3", "E5M2",
@@ -191,23 +190,15 @@ def recipe_refusal(recipe: str, device_type: str, dtype: Optional[torch.dtype]) 
     float8 pass (check_float8_support) and the planner ask."""
     from fxamp._compat import scaled_mm_refusal  # lazily: _compat imports torch._dynamo
 
+    # Note [Block-scaled recipes are emulated only] (fxamp/float8/block_gemm.py): every device
     if RECIPES[recipe].block:
-        return _block_refusal(recipe, device_type)
+        return None
     rowwise = RECIPES[recipe].rowwise
     why = scaled_mm_refusal(device_type, rowwise,
                             torch.bfloat16 if rowwise else (dtype or torch.float32))
     if why is None:
         return None
     return f"torch._scaled_mm refused a {'row' if rowwise else 'tensor'}-scaled float8 GEMM ({why})"
-
-
-def _block_refusal(recipe: str, device_type: str) -> Optional[str]:
-    # Note [Block-scaled recipes are emulated only] in fxamp/float8/block_gemm.py
-    if lowering_for(torch.device(device_type)) == "emulated":
-        return None
-    return (f"the {recipe} recipe has only the emulated lowering (CPU); its {device_type} "
-            "lowering, torch._scaled_mm with block scales on compute capability 10.0+, is not "
-            "implemented")
 
 
 def _compiler_refusal(recipe: str, device_type: str, compiler: Any) -> Optional[str]:

@@ -136,7 +136,7 @@ def _refusal(node: fx.Node, ops: GemmOperands, config: AmpConfig,
 def _why(ops: GemmOperands, config: AmpConfig) -> str:
     r = config.float8.spec
     if r.block:
-        why = f"{block_reason(config.float8)}; {short_dtype(ops.a.dtype)} out"
+        why = f"{block_reason(config.float8, config.device_type)}; {short_dtype(ops.a.dtype)} out"
     else:
         why = (f"{r.name}: {short_dtype(r.input)} x {short_dtype(r.weight)}, grad "
                f"{short_dtype(r.grad_output)}"
