@@ -11,10 +11,13 @@ does not depend on the scale, and a backward one that survives the floor is one 
 cannot fix. If the locator names an op that ran in 16 bits, the healer promotes it to fp32
 through the config's own overrides (the innermost module that ran it: `module_overrides`
 {path: "fp32"}; an op outside every module: `op_overrides` {op: "fp32"}), recompiles the model
-in place (fxamp/model/recompile.py) and logs the promotion with op, module and source line. An
-overflow that fp32 would not fix (the loss scale entering the backward, the loss function, an
-op already in fp32) is logged and left alone. After `max_promotions` promotions it stops and
-warns. Promotions are state: `state_dict()` holds them and `load_state_dict` re-applies them.
+in place (fxamp/model/recompile.py) and logs the promotion with op, module and source line. On
+a float8 model the promoted module (and its submodules) also joins float8's `skip_modules`, as
+a plan's fp32 modules do: the override alone would leave its GEMMs in float8, with an fp32
+output. An overflow that fp32 would not fix (the loss scale entering the backward, the loss
+function, an op already in fp32) is logged and left alone. After `max_promotions` promotions it
+stops and warns. Promotions are state: `state_dict()` holds them and `load_state_dict`
+re-applies them.
 """
 
 from __future__ import annotations
@@ -193,7 +196,9 @@ class Healer:
 
     def config(self, promotions: Optional[list[Promotion]] = None) -> AmpConfig:
         """The model's config with `promotions` (default: the healer's) put first in its
-        overrides, so that they win over a broader pattern of the user's."""
+        overrides, so that they win over a broader pattern of the user's. On a float8 model a
+        promoted module (and its submodules) also joins `skip_modules`: fp32, not float8
+        with an fp32 output."""
         promotions = self.promotions if promotions is None else promotions
         graph = self._base.graph
         fields = {}
@@ -202,6 +207,10 @@ class Healer:
             keys = {k for k, _ in mine}
             theirs = tuple(pair for pair in getattr(graph, kind) if pair[0] not in keys)
             fields[kind] = mine + theirs
+        if graph.float8 is not None:  # Note [Healing]: fp32 means out of float8 too
+            keys = [k for p in promotions if p.kind == _KINDS[0] for k in (p.key, p.key + ".*")]
+            skip = (*keys, *(k for k in graph.float8.skip_modules if k not in keys))
+            fields["float8"] = dataclasses.replace(graph.float8, skip_modules=skip)
         return dataclasses.replace(self._base, graph=dataclasses.replace(graph, **fields))
 
     def _apply(self, promotions: list[Promotion]) -> None:
