@@ -307,6 +307,7 @@ def test_models_of_one_class_keep_their_own_histories():
     assert all(torch.equal(v, kept[k]) for k, v in _histories(first).items())
 
 
+@pytest.mark.slow  # ~20 s: twelve models compiled one after another
 @pytest.mark.skipif(not _compat.isolated_recompiles(), reason="torch.compile has no "
                     "isolate_recompiles before 2.13: graph-broken frames share its limit")
 def test_more_models_than_dynamos_recompile_limit_all_compile():
