@@ -15,6 +15,7 @@ read node provenance (the passes package imports the rules, so it cannot live in
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Any, Iterator, Optional
 
@@ -31,6 +32,9 @@ _SOURCE_PREFIX = re.compile(r"^L\['[^']*'\]\.?")
 _ITEM = re.compile(r"\[['\"]?([^\]'\"]+)['\"]?\]")
 _STACK_SLOT = re.compile(r"^L\['___stack\d+'\]")
 _FRAME = re.compile(r'\s*File "([^"]+)", line (\d+), in (\S+)')
+# fxamp's own files: a frame there is fxamp's machinery (the compiled call's entry, the
+# boundary casts), never the user's code, so a source line never names one
+_OWN_FILES = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,11 +119,13 @@ def module_of(stack: Optional[dict]) -> tuple[str, str]:
 
 
 def innermost_frame(stack_trace: Optional[str]) -> Optional[tuple[str, str, str, str]]:
-    """(file, line, function, code) of the innermost frame of a node's `stack_trace`."""
+    """(file, line, function, code) of the innermost frame of a node's `stack_trace` outside
+    fxamp's own files (None if there is none: the traced code is torch's and fxamp's alone,
+    e.g. an nn.Sequential of torch modules)."""
     lines = (stack_trace or "").rstrip().splitlines()
     for i in range(len(lines) - 1, -1, -1):
         match = _FRAME.match(lines[i])
-        if match:
+        if match and not os.path.abspath(match[1]).startswith(_OWN_FILES):
             code = lines[i + 1].strip() if i + 1 < len(lines) else ""
             return match[1], match[2], match[3], code
     return None

@@ -258,3 +258,15 @@ return [_to_copy_10, _to_copy_9, None, _to_copy_8, _to_copy_7]""")
         self.assertEqual(ours, plain)
         fxamp.range_stats(*_mlp(), **FP16)
         self.assertEqual(_plain_graphs(), plain)
+
+
+def test_a_source_line_never_names_fxamps_own_files():
+    # an nn.Sequential of torch modules: the only frame outside torch in its trace was fxamp's
+    # compiled-call entry (fxamp/_compat/modules.py, call_impl), which the report printed as
+    # the overflowing op's source; now no source line is printed rather than fxamp's
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    x = torch.randn(2, 8)
+    x[0, 0] = 1e6
+    text = str(fxamp.locate_overflow(model, x, opt_level="O1", dtype=torch.float16))
+    assert "forward: aten._to_copy.default in 0 (Linear)" in text
+    assert "call_impl" not in text and "_compat" not in text and "  source" not in text
