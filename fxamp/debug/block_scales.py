@@ -32,6 +32,7 @@ from fxamp.provenance import module_of
 
 __all__ = ["BlockScaleRow", "BlockScaleRecorder"]
 
+
 @dataclasses.dataclass(frozen=True)
 class BlockScaleRow:
     """One operand of one block-scaled GEMM, over all batches. Scales are the factors a
@@ -81,13 +82,12 @@ class _Accumulator:
     def add(self, scales: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
         scale, floor, zero = scales
         live = torch.where(zero, float("nan"), scale)
-        small, big = live.nan_to_num(float("inf")).amin(), live.nan_to_num(0.0).amax()
-        floor, zero = (floor & ~zero).sum(), zero.sum()
-        first = self.small is None
-        self.small = small if first else torch.minimum(self.small, small)
-        self.big = big if first else torch.maximum(self.big, big)
-        self.floor = floor if first else self.floor + floor
-        self.zero = zero if first else self.zero + zero
+        now = (live.nan_to_num(float("inf")).amin(), live.nan_to_num(0.0).amax(),
+               (floor & ~zero).sum(), zero.sum())
+        if self.small is not None:
+            now = (torch.minimum(self.small, now[0]), torch.maximum(self.big, now[1]),
+                   self.floor + now[2], self.zero + now[3])
+        self.small, self.big, self.floor, self.zero = now
         self.blocks += scale.numel()
 
     def row(self, graph: int, recipe: str, operand: str) -> BlockScaleRow:

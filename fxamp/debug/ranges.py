@@ -231,16 +231,15 @@ def range_stats(model_or_fn: Callable, batches: Union[Iterable[Any], torch.Tenso
         A RangeTable: print it, `.to_csv()`, `.as_dicts()`, `.at_risk()`, `.select(...)`.
     """
     batches = [batches] if isinstance(batches, torch.Tensor) else list(batches)
+    how = dict(config=config, opt_level=opt_level, overrides=overrides)
     recorder = RangeRecorder()
-    prepared = _run(recorder, model_or_fn, batches, loss_fn, loss_scale, backward,
-                    dict(config=config, opt_level=opt_level, overrides=overrides))
+    prepared = _run(recorder, model_or_fn, batches, loss_fn, loss_scale, backward, how)
     table = recorder.table(prepared.config, loss_scale=loss_scale, batches=len(batches))
     f8 = prepared.config.float8
     if f8 is None or not f8.spec.block:
         return table
     blocks = BlockScaleRecorder()  # the block scales: fxamp's graph run eagerly, once more
-    _run(blocks, model_or_fn, batches, loss_fn, loss_scale, backward,
-         dict(config=config, opt_level=opt_level, overrides=overrides))
+    _run(blocks, model_or_fn, batches, loss_fn, loss_scale, backward, how)
     return dataclasses.replace(table, block_scales=blocks.rows())
 
 
